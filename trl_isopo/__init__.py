@@ -1,0 +1,35 @@
+"""trl-isopo: ISOPO (Isometric Policy Optimization) and TPO (Target Policy Optimization) for Hugging Face TRL.
+
+Public API (everything else may change):
+
+- `ISOPOConfig`, `ISOPOTrainer`: arXiv 2512.23353, per-sequence Fisher/Euclidean-normalized gradients inside one backward.
+- `TPOConfig`, `TPOTrainer`: arXiv 2604.06159, Target Policy Optimization (not TRL's *Triple* Preference Optimization).
+- Pure tensor functions for both methods (importable without a trainer).
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+# name -> module; resolved lazily so `import trl_isopo` stays cheap and the math works without TRL loaded.
+_EXPORTS = {
+    "ISOPOConfig": "trl_isopo.isopo.config",
+    "ISOPOTrainer": "trl_isopo.isopo.trainer",
+    "isopo_sequence_weights": "trl_isopo.isopo.reweight",
+    "regularized_magnitude": "trl_isopo.isopo.reweight",
+    "interacting_coefficients": "trl_isopo.isopo.reweight",
+    "sequence_statistics": "trl_isopo.isopo.routes",
+    "TPOConfig": "trl_isopo.tpo.config",
+    "TPOTrainer": "trl_isopo.tpo.trainer",
+    "standardize_group_scores": "trl_isopo.tpo.target",
+    "tpo_target": "trl_isopo.tpo.target",
+    "tpo_loss": "trl_isopo.tpo.target",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trl_isopo' has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""`ISOPOConfig`: GRPOConfig plus the ISOPO knobs (paper arXiv 2512.23353; `docs/isopo.md`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .other_params import OTHER_PARAMS_MODES
+from .routes import ROUTES
+
+# Loss types whose *normalization* ISOPO reuses for its advantage-free surrogate. The others differ from these by
+# their ratio transform (clipping / soft gates), which ISOPO replaces by construction.
+ISOPO_LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class ISOPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`ISOPOTrainer`] (Isometric Policy Optimization, arXiv 2512.23353).
+
+    Inherits every [`~trl.GRPOConfig`] field. ISOPO has no pi_old and no clipping: `epsilon`, `epsilon_high`, `delta`
+    and `importance_sampling_level` play no role. Per covered linear layer and micro-batch, sequence i's gradient V_i of
+    the advantage-free surrogate is re-weighted by
+
+        A_i * R(f_i)^p * R(e_i)^q * R(f_i / e_i)^r,       R(x) = sqrt(x^2 / (c * mu_x) + 1)  (c > 0),  |x|  (c = 0),
+
+    with f_i its Fisher-norm estimate, e_i its Euclidean norm and mu_x an EMA of the batch mean of x^2. With
+    `isopo_interacting=True` the coefficients are lam (K + lam I)^-1 A instead, K_ik = <V_i, V_k>.
+
+    Parameters:
+        isopo_p (`float`, *optional*, defaults to `-1.0`):
+            Exponent p of the Fisher norm (paper: "Fisher normalization, p=-1").
+        isopo_q (`float`, *optional*, defaults to `0.0`):
+            Exponent q of the Euclidean norm (paper: "q=-1").
+        isopo_r (`float`, *optional*, defaults to `0.0`):
+            Exponent r of the ratio Fisher / Euclidean (paper Fig. 6: p=0, q=-1, r=-2 with c=0).
+        isopo_reg (`float`, *optional*, defaults to `1.0`):
+            Regularization factor c ("keep small invariant"). `0` gives pure normalization R(x) = |x|.
+        isopo_reg_ema_decay (`float`, *optional*, defaults to `0.9`):
+            Decay of the EMA over previous optimizer steps of the batch mean of x^2 (per layer and statistic).
+        isopo_fisher_tokens (`int`, *optional*, defaults to `250`):
+            Size of the token sample J of the Fisher estimate, drawn from all valid positions of the micro-batch;
+            `0` uses all tokens. Seeded from `seed`, the process index and the step, so runs are reproducible.
+        isopo_other_params (`str`, *optional*, defaults to `"advantage_weighted"`):
+            What trainable parameters outside the covered linear weights receive: `"advantage_weighted"` (the
+            ordinary REINFORCE gradient), `"surrogate"` (the reference's advantage-free gradient of -log pi) or
+            `"frozen"` (no update). Biases of covered layers are re-weighted like their weights.
+        isopo_interacting (`bool`, *optional*, defaults to `False`):
+            Use the interacting (layer-wise MinSR-like) variant.
+        isopo_interacting_reg (`float`, *optional*, defaults to `1.0`):
+            Factor c_K of lam = c_K * EMA(mean eigenvalue of K).
+        isopo_route (`str`, *optional*, defaults to `"auto"`):
+            How per-sequence statistics are computed: `"gram"` (token Gram matrices), `"mat"` (materialized
+            per-sequence gradients, chunked) or `"auto"` (cheaper in FLOPs per layer and shape). Results agree to
+            float rounding.
+        isopo_chunk_mb (`float`, *optional*, defaults to `128`):
+            Memory budget (MiB) for any intermediate of the statistics (Gram row blocks, per-sequence gradients).
+        loss_type (`str`, *optional*, defaults to `"bnpo"`):
+            Selects only the normalization of the advantage-free surrogate: one of "bnpo" (token mean over the
+            micro-batch, the reference's), "grpo", "dr_grpo", "dapo".
+    """
+
+    isopo_p: float = field(default=-1.0, metadata={"help": "Exponent p of the Fisher norm (paper's p; -1 = Fisher normalization)."})
+    isopo_q: float = field(default=0.0, metadata={"help": "Exponent q of the Euclidean norm (paper's q)."})
+    isopo_r: float = field(default=0.0, metadata={"help": "Exponent r of the Fisher/Euclidean ratio (paper's r)."})
+    isopo_reg: float = field(
+        default=1.0,
+        metadata={"help": "Regularization factor c in R(x) = sqrt(x^2/(c*mu_x) + 1); 0 = pure normalization |x|."},
+    )
+    isopo_reg_ema_decay: float = field(
+        default=0.9, metadata={"help": "EMA decay (over optimizer steps) of the batch mean of x^2 used as mu_x."}
+    )
+    isopo_fisher_tokens: int = field(
+        default=250, metadata={"help": "Token sample size |J| for the Fisher-norm estimate; 0 = all tokens."}
+    )
+    isopo_other_params: str = field(
+        default="advantage_weighted",
+        metadata={
+            "help": "Gradient for trainable parameters outside covered linear weights.",
+            "choices": list(OTHER_PARAMS_MODES),
+        },
+    )
+    isopo_interacting: bool = field(
+        default=False, metadata={"help": "Interacting (layer-wise MinSR) variant: alpha = lam (K + lam I)^-1 A."}
+    )
+    isopo_interacting_reg: float = field(
+        default=1.0, metadata={"help": "c_K in lam = c_K * EMA(mean eigenvalue of the per-layer kernel K)."}
+    )
+    isopo_route: str = field(
+        default="auto",
+        metadata={"help": "Statistics route: gram, mat or auto (cheapest per layer).", "choices": list(ROUTES)},
+    )
+    isopo_chunk_mb: float = field(
+        default=128.0, metadata={"help": "Memory budget (MiB) for any chunked intermediate of the statistics."}
+    )
+    loss_type: str = field(
+        default="bnpo",
+        metadata={
+            "help": "Normalization of the advantage-free surrogate (ISOPO has no ratio or clipping).",
+            "choices": list(ISOPO_LOSS_TYPES),
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        errors = []
+        if self.isopo_reg < 0:
+            errors.append(f"isopo_reg must be >= 0 (got {self.isopo_reg}).")
+        if not 0.0 <= self.isopo_reg_ema_decay < 1.0:
+            errors.append(f"isopo_reg_ema_decay must be in [0, 1) (got {self.isopo_reg_ema_decay}).")
+        if self.isopo_fisher_tokens < 0:
+            errors.append(f"isopo_fisher_tokens must be >= 0 (0 = all tokens), got {self.isopo_fisher_tokens}.")
+        if self.isopo_other_params not in OTHER_PARAMS_MODES:
+            errors.append(f"isopo_other_params must be one of {OTHER_PARAMS_MODES} (got {self.isopo_other_params!r}).")
+        if self.isopo_route not in ROUTES:
+            errors.append(f"isopo_route must be one of {ROUTES} (got {self.isopo_route!r}).")
+        if self.isopo_chunk_mb <= 0:
+            errors.append(f"isopo_chunk_mb must be > 0 (got {self.isopo_chunk_mb}).")
+        if self.isopo_interacting:
+            if self.isopo_interacting_reg <= 0:
+                errors.append(f"isopo_interacting_reg must be > 0 (got {self.isopo_interacting_reg}).")
+            if self.isopo_q != 0 or self.isopo_r != 0 or self.isopo_p not in (-1.0, 0.0):
+                errors.append(
+                    "isopo_p / isopo_q / isopo_r do not apply to the interacting variant; leave them at their "
+                    "defaults or set isopo_interacting=False."
+                )
+        if self.loss_type not in ISOPO_LOSS_TYPES:
+            errors.append(
+                f"loss_type={self.loss_type!r} is a ratio transform ISOPO does not use; choose a normalization from "
+                f"{ISOPO_LOSS_TYPES} (default 'bnpo', the reference's token mean)."
+            )
+        if self.beta != 0.0:
+            errors.append(f"ISOPO has no KL-to-reference term: set beta=0 (got {self.beta}).")
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
+            errors.append("ISOPO does not support an entropy bonus: set entropy_coef=0 and use_adaptive_entropy=False.")
+        if self.top_entropy_quantile < 1.0:
+            errors.append("ISOPO does not support top_entropy_quantile < 1: set it to 1.0.")
+        if self.off_policy_mask_threshold is not None:
+            errors.append("ISOPO has no pi_old ratio to mask: set off_policy_mask_threshold=None.")
+        if self.delta is not None:
+            errors.append("ISOPO has no importance ratio to clip: set delta=None.")
+        if self.importance_sampling_level != "token":
+            errors.append(
+                "importance_sampling_level='sequence' would turn ISOPO's seed into a per-sequence token mean; ISOPO "
+                "has no ratio: leave it at 'token' and pick the normalization with loss_type."
+            )
+        if self.torch_compile:
+            errors.append("ISOPO's per-layer autograd Function does not compile: set torch_compile=False.")
+        if self.use_liger_kernel:
+            errors.append("Liger kernels may bypass nn.Linear.forward, which ISOPO hooks: set use_liger_kernel=False.")
+        if errors:
+            raise ValueError("Invalid ISOPOConfig:\n- " + "\n- ".join(errors))

@@ -1,0 +1,70 @@
+"""EMA of per-layer batch statistics, with the reference's fixed (non-cumulative) semantics (`isopo-spec.md` §2.2).
+
+For each (layer, statistic) the regularizer uses mu = EMA over *previous* optimizer steps of the step's mean of x^2.
+Before any history exists, each sequence is regularized by its own x^2. At the end of every optimizer step the values
+accumulated during that step (over all micro-batches and, after an all-reduce, all processes) are averaged into
+`cur`; then `ema = cur` the first time, else `decay * ema + (1 - decay) * cur`; the accumulators are cleared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class EMAStatistics:
+    """Per-(layer, statistic) EMA state. Values are Python floats (float64), so checkpoints round-trip exactly."""
+
+    def __init__(self, decay: float = 0.9):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.ema: dict[str, float] = {}
+        self._sum: dict[str, float] = {}
+        self._count: dict[str, float] = {}
+
+    @staticmethod
+    def key(layer: str, stat: str) -> str:
+        return f"{layer}/{stat}"
+
+    def mu(self, layer: str, stat: str, current: torch.Tensor) -> torch.Tensor | float:
+        """The stored EMA, or the current per-sequence values `current` (B,) if this key has no history yet."""
+        value = self.ema.get(self.key(layer, stat))
+        return current if value is None else value
+
+    def accumulate(self, layer: str, stat: str, values: torch.Tensor) -> None:
+        """Add the (B,) values of one micro-batch (x^2 per sequence, or one value per micro-batch)."""
+        k = self.key(layer, stat)
+        self._sum[k] = self._sum.get(k, 0.0) + float(values.detach().double().sum())
+        self._count[k] = self._count.get(k, 0.0) + float(values.numel())
+
+    def end_step(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, world_size: int = 1) -> None:
+        """Fold this step's means into the EMA. `all_reduce` sums a float64 tensor over the `world_size` processes
+        (same key order on every rank: keys are sorted; their number is reduced too and checked)."""
+        keys = sorted(self._sum)
+        sums = torch.tensor([self._sum[k] for k in keys] + [float(len(keys))], dtype=torch.float64)
+        counts = torch.tensor([self._count[k] for k in keys], dtype=torch.float64)
+        if all_reduce is not None:
+            both = all_reduce(torch.cat([sums, counts]))
+            n = len(keys)
+            if both[n].item() != world_size * n:
+                raise RuntimeError("ISOPO statistics differ in layers across processes; cannot average them")
+            sums, counts = both[:n], both[n + 1 :]
+        for k, s, n in zip(keys, sums.tolist(), counts.tolist()):
+            if n <= 0:
+                continue
+            cur = s / n
+            old = self.ema.get(k)
+            self.ema[k] = cur if old is None else self.decay * old + (1.0 - self.decay) * cur
+        self._sum.clear()
+        self._count.clear()
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "ema": dict(self.ema)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = float(state["decay"])
+        self.ema = {str(k): float(v) for k, v in state["ema"].items()}
+        self._sum.clear()
+        self._count.clear()

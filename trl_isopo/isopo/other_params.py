@@ -1,0 +1,168 @@
+"""What the parameters outside the covered linear layers receive (`isopo_other_params`).
+
+The single backward pass is advantage-free, so without intervention embeddings, norm weights and the LM head would get
+the gradient of -sum log pi (the reference's behaviour, "surrogate"). For "advantage_weighted" (the ordinary
+REINFORCE gradient, sum_i A_i grad(-log pi_i)), each sequence's contribution to *their weight gradients* is scaled by
+A_i while the gradient passed on to lower layers stays advantage-free:
+
+- a leaf module with trainable parameters, y = f(x; theta), is run as
+  y = f(x; theta) + RowScale(f(sg x; theta) - sg f(sg x; theta), A - 1)
+  (value unchanged, d/dx unscaled, d/dtheta scaled by A per row); if no input needs a gradient (an embedding lookup)
+  a single call y = RowScale(f(x; theta), A) suffices;
+- TRL's fused log-prob head reads `lm_head.weight` directly inside `ChunkedLogProbFunction`, so during the ISOPO
+  window that kernel is called twice: once on the detached weight (gradient to the hidden states) and once on the
+  detached hidden states with rows scaled by A (gradient to the weight). Cost: one extra head forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn as nn
+
+OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
+
+
+class RowScale(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient of row b (dim 0) by scale[b]. y: (B, ...), scale: (B,)."""
+
+    @staticmethod
+    def forward(ctx, y, scale):
+        ctx.save_for_backward(scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        (scale,) = ctx.saved_tensors
+        return g * scale.to(g.dtype).view(-1, *([1] * (g.dim() - 1))), None
+
+
+def _detach_tree(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detach_tree(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _detach_tree(v) for k, v in obj.items()}
+    return obj
+
+
+def _needs_grad(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.requires_grad
+    if isinstance(obj, (list, tuple)):
+        return any(_needs_grad(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_needs_grad(v) for v in obj.values())
+    return False
+
+
+def _rows(y: torch.Tensor, batch: int, name: str) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise RuntimeError(
+            f"isopo_other_params='advantage_weighted' needs module {name} to return one tensor with a batch "
+            f"dimension; it returned {type(y).__name__}. Use isopo_other_params='surrogate' or 'frozen'."
+        )
+    if y.shape[0] == batch:
+        return y
+    if y.shape[0] == 1:  # shared over the batch (e.g. learned positions): expand so each row's grad is separable
+        return y.expand(batch, *y.shape[1:])
+    raise RuntimeError(
+        f"isopo_other_params='advantage_weighted': module {name} returned shape {tuple(y.shape)}, whose first "
+        f"dimension is not the micro-batch size {batch}, so its gradient cannot be split by sequence. Use "
+        "isopo_other_params='surrogate' or 'frozen'."
+    )
+
+
+def _advantage_weighted_forward(self, *args, **kwargs):
+    y = self._isopo_orig_forward(*args, **kwargs)
+    context = self._isopo_context
+    mb = context.micro_batch
+    if not (context.active and mb is not None and torch.is_grad_enabled()):
+        return y
+    A = mb.advantages.to(device=y.device)
+    y = _rows(y, A.shape[0], self._isopo_name)
+    if not _needs_grad((args, kwargs)):
+        return RowScale.apply(y, A)
+    y_theta = _rows(self._isopo_orig_forward(*_detach_tree(args), **_detach_tree(kwargs)), A.shape[0], self._isopo_name)
+    return y + RowScale.apply(y_theta - y_theta.detach(), A - 1)
+
+
+def other_trainable_modules(model: nn.Module, covered: set[int], head: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """Modules owning trainable parameters (directly) that are neither covered linears nor the LM head."""
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in covered or module is head:
+            continue
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            found.append((name, module))
+    return found
+
+
+def install_advantage_weighting(modules: list[tuple[str, nn.Module]], context) -> None:
+    for name, module in modules:
+        if any(True for _ in module.children()) and any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"isopo_other_params='advantage_weighted' supports leaf modules only; {name} "
+                f"({type(module).__name__}) owns trainable parameters and has sub-modules. Freeze its parameters or "
+                "use isopo_other_params='surrogate'."
+            )
+        module._isopo_orig_forward = module.forward
+        module._isopo_context = context
+        module._isopo_name = name
+        module.forward = types.MethodType(_advantage_weighted_forward, module)
+
+
+def uninstall_advantage_weighting(modules: list[tuple[str, nn.Module]]) -> None:
+    for _, module in modules:
+        if hasattr(module, "_isopo_orig_forward"):
+            del module.forward
+            del module._isopo_orig_forward
+
+
+def _head_row_scale(n_rows: int, mb) -> torch.Tensor:
+    """Per-row advantages for the fused head's token rows: all B*(L-1) shifted positions, or only the scored ones."""
+    B, L = mb.mask.shape
+    A = mb.advantages
+    if n_rows == B * (L - 1):
+        return A.repeat_interleave(L - 1)
+    # Compact layout (Triton devices): rows are positions whose shifted label is valid (see add_fused_lm_head).
+    valid = mb.mask[:, 1:].clone()
+    valid[:, : L - 1 - mb.logits_to_keep] = False
+    if int(valid.sum()) != n_rows:
+        raise RuntimeError(f"cannot map {n_rows} fused-head rows to the micro-batch's {B} sequences")
+    return A.unsqueeze(1).expand(B, L - 1)[valid]
+
+
+class _AdvantageWeightedHead:
+    """Stand-in for TRL's ChunkedLogProbFunction during the ISOPO window (only `.apply` is used by TRL)."""
+
+    def __init__(self, original, context):
+        self.original, self.context = original, context
+
+    def apply(self, hidden, weight, bias, targets, *rest):
+        mb = self.context.micro_batch
+        trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
+        if not (self.context.active and mb is not None and trainable and torch.is_grad_enabled()):
+            return self.original.apply(hidden, weight, bias, targets, *rest)
+        detached_bias = bias.detach() if bias is not None else None
+        main = self.original.apply(hidden, weight.detach(), detached_bias, targets, *rest)
+        side = self.original.apply(hidden.detach(), weight, bias, targets, *rest)
+        scale = _head_row_scale(hidden.shape[0], mb).to(device=hidden.device)
+        logp = main[0] + RowScale.apply(side[0] - side[0].detach(), scale)
+        return (logp, *main[1:])
+
+
+@contextlib.contextmanager
+def advantage_weighted_head(context):
+    """Swap TRL's fused log-prob kernel for the advantage-weighted stand-in (restored on exit)."""
+    import trl.trainer.utils as trl_utils
+
+    original = trl_utils._ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = _AdvantageWeightedHead(original, context)
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = original

@@ -1,0 +1,220 @@
+"""Per-sequence gradient statistics of one linear layer, without per-sequence backward passes.
+
+For y = x W^T (+ b) and one micro-batch in padded layout, X: (B, L, d_in) layer inputs and G: (B, L, d_out) output
+gradients of the advantage-free surrogate, both zero at invalid (padding) positions. Sequence i's weight gradient is
+V_i = G_i^T X_i. Every quantity ISOPO needs follows from two exact identities (`isopo-spec.md` §3.2):
+
+- e_i^2 = ||V_i||^2 = sum_{t,t' in i} (g_t . g_t')(a_t . a_t')                      (diagonal Gram blocks)
+- u_i[j] = g_j^T V_i a_j = sum_{t in i} (g_j . g_t)(a_j . a_t)   for j in the Fisher sample J
+- K_ik = <V_i, V_k> = sum_{t in i, t' in k} (g_t . g_t')(a_t . a_t')             (NTK, interacting variant)
+
+Two routes compute them:
+
+- "gram": token Gram matrices (cost ~ tokens^2 (d_in + d_out)), never forms V_i;
+- "mat": materializes V (B, d_out, d_in) in d_out chunks (cost ~ B d_in d_out per statistic); V then also gives the
+  final gradient sum_i w_i V_i, replacing autograd's weight-gradient GEMM.
+
+Both are chunked so that no intermediate exceeds `budget_bytes`; they agree to float rounding (tests compare them
+with each other and with brute-force per-sequence autograd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROUTES = ("auto", "gram", "mat")
+DEFAULT_BUDGET_BYTES = 128 * 2**20
+
+
+@dataclass
+class SequenceStats:
+    """Statistics of one layer and micro-batch. Shapes: e2 (B,), fisher_num (B,) or None, fisher_den scalar or
+    None, ntk (B, B) or None; `V` (B, d_out, d_in) is kept only by the "mat" route when it fits the budget."""
+
+    e2: torch.Tensor
+    fisher_num: torch.Tensor | None
+    fisher_den: torch.Tensor | None
+    ntk: torch.Tensor | None
+    route: str
+    V: torch.Tensor | None = None
+    bias_per_seq: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    """Extra multiply-accumulates over the plain backward (which already does one weight-gradient GEMM)."""
+
+    gram: float
+    mat: float
+
+    @property
+    def best(self) -> str:
+        return "gram" if self.gram < self.mat else "mat"
+
+
+def route_costs(
+    B: int, L: int, d_in: int, d_out: int, S: int, fisher: bool, ntk: bool, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> RouteCost:
+    """Analytic extra MACs of each route for one layer and micro-batch (padded layout, B rows of length L).
+
+    gram: e^2 from diagonal L x L blocks, computed on the upper triangle only (half of B L^2 (d_in + d_out)), unless
+    K is formed (then e^2 = diag K); Fisher numerator B L S (d_in + d_out); K (B L)^2 (d_in + d_out) / 2 (symmetric).
+    mat: V costs what the replaced weight-gradient GEMM costs (0 extra) if V fits the budget, else one more GEMM for the
+    final sum; e^2 and the final sum B d_in d_out each; Fisher B S d_in d_out; K B^2 d_in d_out.
+    """
+    dd = d_in + d_out
+    gram = B * L * S * dd if fisher else 0.0
+    gram += (B * L) ** 2 * dd / 2 if ntk else B * L * L * dd / 2
+    mat = 2 * B * d_in * d_out
+    mat += B * S * d_in * d_out if fisher else 0.0
+    mat += B * B * d_in * d_out if ntk else 0.0
+    if B * d_out * d_in * 4 > budget_bytes:
+        mat += B * L * d_in * d_out
+    return RouteCost(gram=float(gram), mat=float(mat))
+
+
+def sequence_statistics(
+    X: torch.Tensor,
+    G: torch.Tensor,
+    sample: torch.Tensor | None,
+    fisher: bool,
+    ntk: bool,
+    route: str = "auto",
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    bias: bool = False,
+) -> SequenceStats:
+    """Per-sequence statistics of the layer gradient.
+
+    Args:
+        X: (B, L, d_in) inputs, zero at invalid positions.
+        G: (B, L, d_out) output gradients, zero at invalid positions.
+        sample: (S,) flat indices into B*L of the Fisher token sample J (valid positions); needed if `fisher`.
+        fisher: compute the Fisher numerator sum_j u_i[j]^2 and denominator ||(|g_j||a_j| + 1e-12)_j||.
+        ntk: compute K (B, B).
+        route: "gram", "mat" or "auto" (cheapest by `route_costs`).
+        budget_bytes: bound on any chunked intermediate (Gram row blocks, V chunks).
+        bias: also return the per-sequence bias gradients sum_t g_t, (B, d_out).
+
+    Returns:
+        `SequenceStats`; e2 is always computed (it is cheap on "mat", and diag K when K is formed).
+    """
+    B, L, d_in = X.shape
+    d_out = G.shape[-1]
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if fisher and sample is None:
+        raise ValueError("the Fisher estimate needs a token sample")
+    S = int(sample.numel()) if fisher else 0
+    if route == "auto":
+        route = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes).best
+
+    num = den = None
+    if fisher:
+        XJ = X.reshape(B * L, d_in)[sample]
+        GJ = G.reshape(B * L, d_out)[sample]
+        den = torch.linalg.vector_norm(torch.linalg.vector_norm(GJ, dim=1) * torch.linalg.vector_norm(XJ, dim=1) + 1e-12)
+
+    if route == "gram":
+        stats = _gram(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes)
+    else:
+        stats = _mat(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes)
+    e2, u, K, V = stats
+    if fisher:
+        num = (u * u).sum(1)
+    bias_per_seq = G.sum(1) if bias else None
+    return SequenceStats(e2=e2, fisher_num=num, fisher_den=den, ntk=K, route=route, V=V, bias_per_seq=bias_per_seq)
+
+
+def _rows_per_chunk(row_bytes: int, budget_bytes: int, total: int) -> int:
+    return max(1, min(total, budget_bytes // max(row_bytes, 1)))
+
+
+def _gram(X, G, XJ, GJ, ntk, budget):
+    B, L, _ = X.shape
+    item = X.element_size()
+    u = None
+    if XJ is not None:
+        # u[i, j] = sum_{t in i} (a_t . a_j)(g_t . g_j): (B, c, S) blocks over positions t.
+        S = XJ.shape[0]
+        u = X.new_zeros(B, S)
+        step = _rows_per_chunk(2 * B * S * item, budget, L)
+        for t0 in range(0, L, step):
+            Ga = X[:, t0 : t0 + step] @ XJ.T
+            Gg = G[:, t0 : t0 + step] @ GJ.T
+            u += (Ga * Gg).sum(1)
+    if ntk:
+        # K = P (Ga o Gg) P^T over all B*L positions; row blocks of the flat token axis, upper triangle only.
+        N = B * L
+        Xf, Gf = X.reshape(N, -1), G.reshape(N, -1)
+        seq = torch.arange(B, device=X.device).repeat_interleave(L)
+        K = X.new_zeros(B, B)
+        step = _rows_per_chunk(2 * N * item, budget, N)
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            M = (Xf[r0:r1] @ Xf[r0:].T) * (Gf[r0:r1] @ Gf[r0:].T)  # (c, N - r0)
+            M[:, r1 - r0 :] *= 2  # strictly-upper blocks stand for their transposes too
+            rows = torch.zeros(r1 - r0, B, dtype=M.dtype, device=M.device)
+            rows.index_add_(1, seq[r0:], M)  # (c, B): segment sums over t'
+            K.index_add_(0, seq[r0:r1], rows)
+        K = 0.5 * (K + K.T)  # fold the doubled upper triangle into a symmetric K
+        return torch.diagonal(K).clone(), u, K, None
+    # e_i^2 from the diagonal blocks, upper triangle of each L x L block.
+    e2 = X.new_zeros(B)
+    step = _rows_per_chunk(2 * B * L * item, budget, L)
+    for t0 in range(0, L, step):
+        t1 = min(L, t0 + step)
+        M = (X[:, t0:t1] @ X[:, t0:].transpose(1, 2)) * (G[:, t0:t1] @ G[:, t0:].transpose(1, 2))
+        e2 += M[:, :, : t1 - t0].sum((1, 2)) + 2 * M[:, :, t1 - t0 :].sum((1, 2))
+    return e2, u, None, None
+
+
+def _mat(X, G, XJ, GJ, ntk, budget):
+    B, L, d_in = X.shape
+    d_out = G.shape[-1]
+    item = X.element_size()
+    step = _rows_per_chunk(B * d_in * item, budget, d_out)
+    keep = step >= d_out
+    e2 = X.new_zeros(B)
+    u = X.new_zeros(B, XJ.shape[0]) if XJ is not None else None
+    K = X.new_zeros(B, B) if ntk else None
+    V_full = None
+    Xt = X  # (B, L, d_in)
+    for o0 in range(0, d_out, step):
+        o1 = min(d_out, o0 + step)
+        V = G[:, :, o0:o1].transpose(1, 2) @ Xt  # (B, c, d_in)
+        e2 += V.pow(2).sum((1, 2))
+        if u is not None:
+            # u[i, j] += sum_{o in chunk} g_j[o] (V_i a_j)[o]; contract over the smaller of (c, d_in) last.
+            if o1 - o0 <= d_in:
+                u += ((V @ XJ.T) * GJ[:, o0:o1].T.unsqueeze(0)).sum(1)
+            else:
+                u += ((GJ[:, o0:o1] @ V) * XJ.unsqueeze(0)).sum(2)
+        if K is not None:
+            Vf = V.reshape(B, -1)
+            K += Vf @ Vf.T
+        if keep:
+            V_full = V
+    return e2, u, K, V_full
+
+
+def reweighted_weight_grad(
+    X: torch.Tensor, G: torch.Tensor, w: torch.Tensor, stats: SequenceStats | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_i w_i V_i, sum_i w_i b_i): the layer's weight and bias gradients, shapes (d_out, d_in), (d_out,).
+
+    Uses the materialized V when the "mat" route kept it (B d_in d_out MACs), else one GEMM of the row-scaled output
+    gradients, (w_seq(t) g_t)^T a_t, in place of autograd's weight-gradient GEMM.
+    """
+    w = w.to(X.dtype)
+    if stats is not None and stats.V is not None:
+        gw = torch.einsum("b,boi->oi", w, stats.V)
+    else:
+        Gw = G * w.view(-1, 1, 1)
+        gw = Gw.reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
+    if stats is not None and stats.bias_per_seq is not None:
+        gb = w @ stats.bias_per_seq
+    else:
+        gb = (G * w.view(-1, 1, 1)).sum((0, 1))
+    return gw, gb

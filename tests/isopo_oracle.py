@@ -1,0 +1,162 @@
+"""Brute-force float64 oracle for ISOPO: one forward/backward per sequence, then the dense formulas of isopo-spec §2.
+
+Deliberately independent of `trl_isopo.isopo`'s math: per-sequence gradients come from plain autograd on a batch of
+one row, statistics from explicit V_i, the solve from `torch.linalg.solve`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from trl_isopo import ISOPOConfig, ISOPOTrainer
+
+
+def make_trainer(model, tokenizer, tmp_path, peft_config=None, **overrides):
+    from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward
+
+    kwargs = dict(
+        output_dir=str(tmp_path / "isopo"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        gradient_checkpointing=False,
+    )
+    kwargs.update(overrides)
+    trainer = ISOPOTrainer(
+        model,
+        tiny_reward,
+        args=ISOPOConfig(**kwargs),
+        train_dataset=tiny_prompt_dataset(8),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def make_batch(tokenizer, seed=0, B=4, P=5, C=4, prompt_lens=(3, 5, 2, 4), completion_lens=(4, 1, 3, 2)):
+    """Left-padded prompts, right-padded completions, advantages including a zero."""
+    g = torch.Generator().manual_seed(seed)
+    words = [tokenizer.convert_tokens_to_ids(w) for w in "abcdefgh"]
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.full((B, P), pad)
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    completion_ids = torch.full((B, C), pad)
+    completion_mask = torch.zeros(B, C, dtype=torch.long)
+    for b in range(B):
+        lp, lc = prompt_lens[b % len(prompt_lens)], completion_lens[b % len(completion_lens)]
+        prompt_ids[b, P - lp :] = torch.tensor(words)[torch.randint(len(words), (lp,), generator=g)]
+        prompt_mask[b, P - lp :] = 1
+        completion_ids[b, :lc] = torch.tensor(words)[torch.randint(len(words), (lc,), generator=g)]
+        completion_mask[b, :lc] = 1
+    advantages = torch.tensor([1.0, -0.5, 0.0, 2.0, -1.5, 0.7, 0.3, -0.2][:B], dtype=torch.float32)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+def row(inputs, b):
+    out = {}
+    for k, v in inputs.items():
+        out[k] = v[b : b + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+    return out
+
+
+def covered_modules(trainer):
+    return {name: m for name, m in trainer.model.named_modules() if name in set(trainer.isopo_coverage["covered"])}
+
+
+def surrogate_logps(trainer, inputs):
+    """Per-token log-probs through TRL's own forward (fused head), outside the ISOPO window (plain autograd)."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1)
+    )
+    return logps
+
+
+def per_sequence_data(trainer, inputs):
+    """For every sequence i: V_i (weight grads) and bias grads of each covered layer, grads of all other trainable
+    parameters, and each covered layer's input a_t and output gradient delta_t (rows of the full micro-batch).
+
+    The loss of row i is its share of the bnpo surrogate: -sum_t m_it log pi_it / (all completion tokens).
+    """
+    layers = covered_modules(trainer)
+    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    n_tok = inputs["completion_mask"].sum().double()
+    B = inputs["prompt_ids"].shape[0]
+    data = {"V": {n: [] for n in layers}, "b": {n: [] for n in layers}, "grads": [], "X": {n: [] for n in layers}, "G": {n: [] for n in layers}}
+    for b in range(B):
+        r = row(inputs, b)
+        store = {}
+
+        def fwd_hook(name):
+            def hook(module, args, out):
+                store[name] = (args[0].detach(), out)
+                out.retain_grad()
+
+            return hook
+
+        handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
+        try:
+            logps = surrogate_logps(trainer, r)
+            loss = -(logps * r["completion_mask"]).sum() / n_tok
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
+            outs = [store[n][1] for n in layers]
+            gouts = torch.autograd.grad(loss, outs, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        g = {n: (torch.zeros_like(p) if gr is None else gr) for (n, p), gr in zip(params.items(), grads)}
+        data["grads"].append(g)
+        for (n, m), go in zip(layers.items(), gouts):
+            data["V"][n].append(g[f"{n}.weight"])
+            data["b"][n].append(g.get(f"{n}.bias"))
+            data["X"][n].append(store[n][0][0])
+            data["G"][n].append(torch.zeros_like(store[n][1][0]) if go is None else go[0])
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1).bool()
+    for n in layers:
+        data["V"][n] = torch.stack(data["V"][n])
+        data["X"][n] = torch.stack(data["X"][n])
+        data["G"][n] = torch.stack(data["G"][n])
+    data["mask"] = mask
+    return data
+
+
+def R(x, mu, c):
+    return x.abs() if c == 0 else torch.sqrt(x**2 / (c * mu + 1e-8) + 1)
+
+
+def dense_weights(V, X, G, sample, A, p, q, r, c, mu=None):
+    """w_i = A_i / (R(e)^-q R(f)^-p R(rho)^-r + 1e-8) from explicit V (B, d_out, d_in) and flat token sample J."""
+    B = V.shape[0]
+    Xf, Gf = X.reshape(-1, X.shape[-1]), G.reshape(-1, G.shape[-1])
+    e = torch.stack([V[i].norm() for i in range(B)])
+    u = torch.stack([torch.stack([Gf[j] @ V[i] @ Xf[j] for j in sample.tolist()]) for i in range(B)])
+    den = math.sqrt(sum((Gf[j].norm() * Xf[j].norm() + 1e-12).item() ** 2 for j in sample.tolist()))
+    f = u.norm(dim=1) / den
+    rho = f / (e + 1e-12)
+    stats = {"e": e, "f": f, "rho": rho}
+    mu = mu or {k: v**2 for k, v in stats.items()}  # first step: each sequence by its own x^2
+    denom = R(e, mu["e"], c) ** (-q) * R(f, mu["f"], c) ** (-p) * R(rho, mu["rho"], c) ** (-r)
+    return A.double() / (denom + 1e-8), stats
+
+
+def rel_err(got, expected):
+    return ((got - expected).norm() / expected.norm().clamp_min(1e-300)).item()

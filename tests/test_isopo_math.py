@@ -1,0 +1,141 @@
+"""Pure-function tests: routes vs explicit per-sequence gradients, regularizer, interacting limits, EMA closed form."""
+
+import pytest
+import torch
+
+from trl_isopo.isopo.ema import EMAStatistics
+from trl_isopo.isopo.reweight import (
+    interacting_coefficients,
+    isopo_sequence_scales,
+    regularized_magnitude,
+)
+from trl_isopo.isopo.routes import reweighted_weight_grad, route_costs, sequence_statistics
+
+
+def random_layer(B, L, d_in, d_out, seed, single_token_row=True):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, L, generator=g) > 0.3
+    if single_token_row:
+        mask[0] = False
+        mask[0, L // 2] = True  # a sequence with a single valid token
+    mask[-1] = True
+    X = torch.randn(B, L, d_in, generator=g, dtype=torch.float64) * mask[..., None]
+    G = torch.randn(B, L, d_out, generator=g, dtype=torch.float64) * mask[..., None]
+    return X, G, mask
+
+
+def explicit(X, G, sample):
+    V = torch.einsum("blo,bli->boi", G, X)  # V_i = G_i^T X_i, one per sequence
+    Xf, Gf = X.reshape(-1, X.shape[-1]), G.reshape(-1, G.shape[-1])
+    u = torch.einsum("jo,boi,ji->bj", Gf[sample], V, Xf[sample])
+    K = V.reshape(V.shape[0], -1) @ V.reshape(V.shape[0], -1).T
+    return V, (u * u).sum(1), K
+
+
+@pytest.mark.parametrize("shape", [(4, 9, 5, 7), (3, 6, 11, 2), (5, 4, 3, 13), (2, 12, 8, 8)])
+@pytest.mark.parametrize("route", ["gram", "mat"])
+@pytest.mark.parametrize("budget", [2**30, 256])  # 256 bytes forces chunking everywhere
+def test_routes_match_explicit(shape, route, budget):
+    B, L, d_in, d_out = shape
+    X, G, mask = random_layer(B, L, d_in, d_out, seed=sum(shape))
+    valid = mask.reshape(-1).nonzero().squeeze(1)
+    sample = valid[torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(0))[:5]]
+    V, num, K = explicit(X, G, sample)
+    st = sequence_statistics(X, G, sample, fisher=True, ntk=True, route=route, budget_bytes=budget, bias=True)
+    assert torch.allclose(st.e2, V.pow(2).sum((1, 2)), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(st.fisher_num, num, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(st.ntk, K, rtol=1e-12, atol=1e-12)
+    st2 = sequence_statistics(X, G, sample, fisher=True, ntk=False, route=route, budget_bytes=budget, bias=True)
+    assert torch.allclose(st2.e2, V.pow(2).sum((1, 2)), rtol=1e-12, atol=1e-12)
+    w = torch.randn(B, dtype=torch.float64)
+    gw, gb = reweighted_weight_grad(X, G, w, st2)
+    assert torch.allclose(gw, torch.einsum("b,boi->oi", w, V), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(gb, torch.einsum("b,blo->o", w, G), rtol=1e-12, atol=1e-12)
+    # The materialized route keeps V only when it fits the budget; the result is the same either way.
+    assert (st2.V is not None) == (route == "mat" and B * d_in * d_out * 8 <= budget)
+
+
+def test_route_costs_pick_mat_for_lora_and_gram_for_wide_layers():
+    # LoRA A (896 -> 16): materializing is tiny; a 896 -> 4864 MLP at 8 x 256 tokens: Gram blocks are cheaper.
+    assert route_costs(8, 256, 896, 16, 250, fisher=True, ntk=False).best == "mat"
+    assert route_costs(8, 256, 896, 4864, 250, fisher=True, ntk=False).best == "gram"
+    # Interacting needs only K: B^2 d_in d_out is far below the (B L)^2 token Gram.
+    assert route_costs(8, 256, 896, 4864, 0, fisher=False, ntk=True).best == "mat"
+
+
+def test_regularized_magnitude():
+    x = torch.tensor([0.0, 1e-6, 3.0, 100.0], dtype=torch.float64)
+    assert torch.equal(regularized_magnitude(x, 4.0, 0.0), x)
+    R = regularized_magnitude(x, 4.0, 1.0)
+    assert torch.allclose(R, torch.sqrt(x**2 / (4.0 + 1e-8) + 1))
+    assert R[0] == 1.0 and abs(R[1] - 1.0) < 1e-12  # small norms untouched ("keep small invariant")
+    assert R[3] == pytest.approx(100.0 / 2.0, rel=1e-3)  # large norms normalized by sqrt(c mu)
+    with pytest.raises(ValueError):
+        regularized_magnitude(x, 1.0, -1.0)
+
+
+def test_scales_closed_forms():
+    e = torch.tensor([2.0, 4.0], dtype=torch.float64)
+    f = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    rho = f / e
+    mu = {"e": 1.0, "f": 1.0, "rho": 1.0}
+    # p=-1, c=0: 1/f
+    assert torch.allclose(isopo_sequence_scales(e, f, rho, mu, -1.0, 0.0, 0.0, 0.0), 1 / (f + 1e-8))
+    # q=-1, c=0: 1/e
+    assert torch.allclose(isopo_sequence_scales(e, None, None, mu, 0.0, -1.0, 0.0, 0.0), 1 / (e + 1e-8))
+    # Fig. 6: p=0, q=-1, r=-2, c=0 -> e / f^2
+    s = isopo_sequence_scales(e, f, rho, mu, 0.0, -1.0, -2.0, 0.0)
+    assert torch.allclose(s, e / f**2, rtol=1e-6)  # up to the +1e-8 guard
+    # all exponents zero: scales are 1
+    assert torch.allclose(isopo_sequence_scales(e, f, rho, mu, 0.0, 0.0, 0.0, 1.0), torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        isopo_sequence_scales(e, None, None, mu, -1.0, 0.0, 0.0, 0.0)
+
+
+def test_interacting_limits():
+    g = torch.Generator().manual_seed(0)
+    J = torch.randn(5, 40, generator=g, dtype=torch.float64)
+    K = J @ J.T
+    A = torch.randn(5, generator=g, dtype=torch.float64)
+    # lam -> infinity: REINFORCE (all coefficients A)
+    assert torch.allclose(interacting_coefficients(K, A, 1e12), A, rtol=1e-8)
+    # alpha / lam -> K^-1 A as lam -> 0
+    lam = 1e-9
+    assert torch.allclose(interacting_coefficients(K, A, lam) / lam, torch.linalg.solve(K, A), rtol=1e-5)
+    # generic lam: a linear solve
+    lam = 3.7
+    want = lam * torch.linalg.solve(K + (lam + 1e-8) * torch.eye(5, dtype=K.dtype), A)
+    assert torch.allclose(interacting_coefficients(K, A, lam), want, rtol=1e-12)
+    # zero kernel (e.g. LoRA's lora_A at step 0) gives finite coefficients
+    assert torch.isfinite(interacting_coefficients(torch.zeros(5, 5, dtype=torch.float64), A, 0.0)).all()
+
+
+def test_ema_closed_form_over_steps():
+    ema = EMAStatistics(decay=0.9)
+    steps = [[1.0, 3.0], [2.0, 2.0, 8.0], [0.5]]  # values appended over (possibly several) micro-batches
+    assert torch.equal(torch.as_tensor(ema.mu("l", "f", torch.tensor([7.0]))), torch.tensor([7.0]))  # no history
+    expected = None
+    for vals in steps:
+        half = len(vals) // 2  # two micro-batches per step
+        ema.accumulate("l", "f", torch.tensor(vals[:half]))
+        ema.accumulate("l", "f", torch.tensor(vals[half:]))
+        cur = sum(vals) / len(vals)
+        expected = cur if expected is None else 0.9 * expected + 0.1 * cur
+        ema.end_step()
+        assert ema.ema["l/f"] == pytest.approx(expected, rel=1e-15)
+        assert ema.mu("l", "f", torch.tensor([123.0])) == pytest.approx(expected, rel=1e-15)
+    state = ema.state_dict()
+    other = EMAStatistics(0.5)
+    other.load_state_dict(state)
+    assert other.ema == ema.ema and other.decay == 0.9
+
+
+def test_ema_all_reduce_averages_over_processes():
+    ema = EMAStatistics(0.9)
+    ema.accumulate("l", "e", torch.tensor([1.0, 3.0]))  # this rank: sum 4 over 2
+
+    def fake_all_reduce(t):  # the other rank holds sum 10 over 3 for the same key
+        return t + torch.tensor([10.0, 1.0, 3.0], dtype=torch.float64)
+
+    ema.end_step(fake_all_reduce, world_size=2)
+    assert ema.ema["l/e"] == pytest.approx(14.0 / 5.0)

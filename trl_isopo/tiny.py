@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from collections.abc import Sequence
 
 import torch
@@ -95,12 +96,18 @@ def make_tiny_model_dir(path: str, words: Sequence[str] = DEFAULT_WORDS, **model
 
     Passing the model to a trainer *as this path* lets TRL rebuild a reference model offline.
     """
-    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
+    if os.path.exists(os.path.join(path, "model.safetensors")) and os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
-    os.makedirs(path, exist_ok=True)
-    tokenizer = build_word_tokenizer(words, save_dir=path)
+    # Write to a temporary sibling and rename, so concurrent processes never see a half-written directory.
+    tmp = f"{path.rstrip(os.sep)}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    tokenizer = build_word_tokenizer(words, save_dir=tmp)
     model = build_tiny_causal_lm(tokenizer, **model_kwargs)
-    model.save_pretrained(path)
+    model.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path) if not os.path.exists(path) else shutil.rmtree(tmp)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

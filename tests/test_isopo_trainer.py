@@ -1,0 +1,171 @@
+"""ISOPOTrainer end to end: train() smoke runs, construction errors, checkpoint/resume, two processes."""
+
+import json
+import os
+
+import pytest
+import torch
+from _launch import launch_two_processes
+from peft import LoraConfig
+
+from trl_isopo import ISOPOConfig, ISOPOTrainer
+from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward
+
+HERE = os.path.dirname(__file__)
+
+
+def config(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-2,
+        isopo_fisher_tokens=16,
+        seed=0,
+    )
+    base.update(kw)
+    return ISOPOConfig(**base)
+
+
+def run(tiny_model_dir, tiny_tokenizer, args, **kw):
+    trainer = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer, **kw
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(before[n], p)}
+    return trainer, before, changed
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(isopo_p=0.0, isopo_q=-1.0),
+        dict(isopo_p=0.0, isopo_q=-1.0, isopo_r=-2.0, isopo_reg=0.0),
+        dict(isopo_interacting=True),
+    ],
+    ids=["p=-1", "q=-1", "fig6", "interacting"],
+)
+def test_train_changes_parameters_and_logs_metrics(tiny_model_dir, tiny_tokenizer, tmp_path, variant):
+    trainer, before, changed = run(tiny_model_dir, tiny_tokenizer, config(tmp_path, **variant))
+    assert changed == set(before)  # every trainable parameter moved
+    logs = [h for h in trainer.state.log_history if "isopo/euclidean_norm" in h]
+    assert len(logs) == 3
+    for key in ("policy_loss", "entropy", "isopo/scale_mean", "isopo/scale_std", "reward"):
+        assert all(key in h for h in logs), key
+    if variant.get("isopo_interacting"):
+        assert all("isopo/ntk_lambda" in h for h in logs)
+    elif variant.get("isopo_p", -1.0) != 0 or variant.get("isopo_r", 0.0) != 0:
+        assert all("isopo/fisher_norm" in h for h in logs)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.isopo_context.ema.ema  # statistics were folded into the EMA
+
+
+def test_train_lora_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, tmp_path):
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer, before, changed = run(
+        tiny_model_dir, tiny_tokenizer, config(tmp_path, gradient_checkpointing=True, learning_rate=5e-2), peft_config=lora
+    )
+    assert before and all(".lora_" in n for n in before)
+    # lora_B starts at 0 (so lora_A's gradient is 0 at step 0); after 3 steps both have moved.
+    assert any("lora_B" in n for n in changed) and any("lora_A" in n for n in changed)
+    assert trainer.isopo_coverage["isopo_layers"] == 8 and trainer.isopo_coverage["other_params"] == 0
+    assert "isopo/euclidean_norm" in trainer.state.log_history[0]
+
+
+def test_bad_data_nan_rewards_and_empty_completions(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """Rewards of None (unscorable) become NaN advantages -> 0 in TRL; parameters stay finite."""
+    calls = {"n": 0}
+
+    def flaky_reward(completions, **kw):
+        calls["n"] += 1
+        return [None if i % 3 == 0 else float(len(c.split()) == 0) for i, c in enumerate(completions)]
+
+    args = config(tmp_path, max_completion_length=2)
+    trainer = ISOPOTrainer(
+        tiny_model_dir, flaky_reward, args=args, train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer
+    )
+    trainer.train()
+    assert calls["n"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(beta=0.04), "beta=0"),
+        (dict(entropy_coef=0.01), "entropy"),
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(isopo_reg=-1.0), "isopo_reg"),
+        (dict(isopo_reg_ema_decay=1.0), "isopo_reg_ema_decay"),
+        (dict(isopo_other_params="bogus"), "isopo_other_params"),
+        (dict(isopo_interacting=True, isopo_q=-1.0), "interacting"),
+        (dict(isopo_interacting=True, isopo_interacting_reg=0.0), "isopo_interacting_reg"),
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+        (dict(delta=2.0), "delta"),
+        (dict(torch_compile=True), "torch_compile"),
+    ],
+)
+def test_config_errors_name_the_fix(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, **bad)
+
+
+def test_model_without_trainable_linear_is_rejected(tiny_model_dir, tiny_tokenizer, tmp_path):
+    from trl_isopo.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tiny_tokenizer)
+    for name, p in model.named_parameters():
+        p.requires_grad_("embed" in name)
+    with pytest.raises(ValueError, match="no trainable nn.Linear"):
+        ISOPOTrainer(model, tiny_reward, args=config(tmp_path), train_dataset=tiny_prompt_dataset(8), processing_class=tiny_tokenizer)
+
+
+def test_model_card_tags_and_citation(tiny_model_dir, tiny_tokenizer, tmp_path):
+    trainer = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=config(tmp_path), train_dataset=tiny_prompt_dataset(8), processing_class=tiny_tokenizer
+    )
+    trainer.create_model_card(model_name="tiny-isopo")
+    card = open(os.path.join(trainer.args.output_dir, "README.md")).read()
+    for text in ("isopo", "trl-isopo", "2512.23353", "ISOPO: Proximal policy gradients without pi-old"):
+        assert text in card, text
+
+
+def test_resume_from_checkpoint_is_bit_exact(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """4 steps straight == 2 steps, save (incl. EMA statistics), resume for 2 more."""
+    common = dict(max_steps=4, isopo_reg=1.0, save_strategy="steps", save_steps=2, learning_rate=3e-2)
+    straight, _, _ = run(tiny_model_dir, tiny_tokenizer, config(tmp_path / "a", **common))
+    ckpt = tmp_path / "a" / "out" / "checkpoint-2"
+    state = json.load(open(ckpt / "isopo_state.json"))
+    assert state["ema"]["ema"] and state["ema"]["decay"] == 0.9
+    resumed = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=config(tmp_path / "b", **common), train_dataset=tiny_prompt_dataset(32),
+        processing_class=tiny_tokenizer,
+    )
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+    assert resumed.isopo_context.ema.ema == straight.isopo_context.ema.ema
+
+
+@pytest.mark.multiprocess
+def test_two_processes_keep_identical_parameters(tmp_path):
+    out = tmp_path / "result"
+    proc = launch_two_processes(os.path.join(HERE, "scripts", "isopo_two_proc.py"), str(out))
+    results = [json.load(open(f"{out}.rank{r}.json")) for r in (0, 1)]
+    assert results[0]["world_size"] == results[1]["world_size"] == 2, proc.stdout[-2000:]
+    assert results[0]["param_hash"] == results[1]["param_hash"]
+    assert results[0]["changed"] and results[0]["ema"] == results[1]["ema"]
+    assert results[0]["completions_differ_across_ranks"]

@@ -1,0 +1,143 @@
+"""Keeping TPO groups whole: batch-size checks, a whole-group shuffle, and a layout check.
+
+TPO's loss is a softmax over each prompt's K completions, so every micro-batch on every process must hold whole
+groups. TRL lays groups out as K consecutive rows (RepeatSampler and every generation backend), shards the generation
+batch across processes in contiguous blocks of `per_device_train_batch_size * steps_per_generation` rows, and cuts
+micro-batches as contiguous blocks of `per_device_train_batch_size` rows. Hence `per_device_train_batch_size % K == 0`
+plus a shuffle that permutes whole groups instead of rows is enough (trl-integration.md §4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["group_batch_size_error", "validate_group_batching", "shuffle_groups", "check_whole_groups"]
+
+
+def _divisors_at_least_2(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def group_batch_size_error(name: str, batch_size: int, num_generations: int, generations_name: str) -> str | None:
+    """The error message for a per-device batch size that would split groups, or None if it is valid."""
+    if batch_size % num_generations == 0:
+        return None
+    multiples = ", ".join(str(num_generations * i) for i in range(1, 4))
+    divisors = _divisors_at_least_2(batch_size)
+    alt = (
+        f", or keep {name}={batch_size} and set {generations_name} to one of {divisors}"
+        if divisors
+        else ""
+    )
+    return (
+        f"TPO keeps every group of {generations_name}={num_generations} completions whole in each micro-batch and "
+        f"on each process (its loss is a softmax over the group), so {name} must be a multiple of "
+        f"{generations_name}; got {name}={batch_size}. Valid values: {name} in {{{multiples}, ...}}{alt}."
+    )
+
+
+def validate_group_batching(
+    per_device_train_batch_size: int,
+    num_generations: int,
+    per_device_eval_batch_size: int | None = None,
+    num_generations_eval: int | None = None,
+) -> None:
+    """Raise `ValueError` if a batch size would split a group across micro-batches or processes."""
+    if num_generations < 2:
+        raise ValueError(
+            f"TPO needs num_generations >= 2 (the target is a softmax over a group of completions); got "
+            f"{num_generations}."
+        )
+    msg = group_batch_size_error(
+        "per_device_train_batch_size", per_device_train_batch_size, num_generations, "num_generations"
+    )
+    if msg:
+        raise ValueError(msg)
+    if per_device_eval_batch_size is not None:
+        k_eval = num_generations_eval or num_generations
+        if k_eval < 2:
+            raise ValueError(f"TPO needs num_generations_eval >= 2 (or None); got {k_eval}.")
+        msg = group_batch_size_error(
+            "per_device_eval_batch_size", per_device_eval_batch_size, k_eval, "num_generations_eval"
+        )
+        if msg:
+            raise ValueError(msg)
+
+
+def _num_rows(batch: dict[str, Any]) -> int:
+    for v in batch.values():
+        if isinstance(v, torch.Tensor) and v.ndim > 0:
+            return v.shape[0]
+        if isinstance(v, (list, tuple)):
+            return len(v)
+    raise ValueError("batch has no row-indexed entry")
+
+
+def shuffle_groups(
+    batch: dict[str, Any], group_size: int, generator: torch.Generator | None = None
+) -> dict[str, Any]:
+    """Permute whole blocks of `group_size` consecutive rows, in unison over every entry.
+
+    Tensors with a first dimension and lists/tuples are permuted along it; None and 0-dim tensors (e.g.
+    `num_items_in_batch`) are kept. Uses the global torch RNG unless `generator` is given (as TRL's row shuffle does).
+
+    Args:
+        batch: dict of `(N, ...)` tensors / length-N lists, N a multiple of `group_size`.
+        group_size: K.
+
+    Returns:
+        a new dict with rows reordered as `[g_0 rows, g_1 rows, ...]` for a random permutation of the groups.
+    """
+    n = _num_rows(batch)
+    if n % group_size != 0:
+        raise ValueError(f"cannot shuffle whole groups: {n} rows is not a multiple of group_size={group_size}")
+    blocks = torch.randperm(n // group_size, generator=generator)
+    idx = (blocks[:, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1)
+    idx_list = idx.tolist()
+
+    def take(v):
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor):
+            if v.ndim == 0:
+                return v
+            if v.shape[0] != n:
+                raise ValueError(f"entry with {v.shape[0]} rows in a batch of {n} rows")
+            return v[idx.to(v.device)]
+        if isinstance(v, (list, tuple)):
+            if len(v) != n:
+                raise ValueError(f"entry with {len(v)} rows in a batch of {n} rows")
+            return type(v)(v[i] for i in idx_list) if isinstance(v, tuple) else [v[i] for i in idx_list]
+        return v
+
+    return {k: take(v) for k, v in batch.items()}
+
+
+def check_whole_groups(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor | None, group_size: int, where: str = ""
+) -> None:
+    """Raise `RuntimeError` unless rows come in blocks of `group_size` that share one prompt.
+
+    Args:
+        prompt_ids: `(N, P)` (left-padded) prompt token ids.
+        prompt_mask: optional `(N, P)` attention mask of the prompts.
+        group_size: K.
+    """
+    n = prompt_ids.shape[0]
+    suffix = f" ({where})" if where else ""
+    if n % group_size != 0:
+        raise RuntimeError(f"TPO: {n} rows are not whole groups of {group_size}{suffix}.")
+    ids = prompt_ids.view(n // group_size, group_size, -1)
+    same = (ids == ids[:, :1]).all()
+    if prompt_mask is not None:
+        pm = prompt_mask.view(n // group_size, group_size, -1)
+        same = same & (pm == pm[:, :1]).all()
+    if not bool(same):
+        raise RuntimeError(
+            "TPO: a block of num_generations consecutive rows holds different prompts, so a group was split"
+            f"{suffix}. This should be impossible with per_device_*_batch_size % num_generations == 0; please report "
+            "it with your batch-size settings."
+        )
+

@@ -1,0 +1,355 @@
+"""`TPOTrainer`: Target Policy Optimization (arXiv 2604.06159) as a thin `trl.GRPOTrainer` subclass.
+
+Not TRL's `trl.experimental.tpo.TPOTrainer` (Triple Preference Optimization, an offline preference trainer).
+
+What changes w.r.t. GRPOTrainer (everything else, generation, rewards, vLLM, PEFT, logging, is inherited):
+
+- `_calculate_rewards` (via super): keeps the gathered raw rewards of the generation batch.
+- `_generate_and_score_completions` (via super): adds `old_per_token_logps` when TRL skipped them (always the training
+  model, never sampling log-probs), and the frozen per-row target `tpo_targets` (B,) and `tpo_valid_mask` (B,).
+- `_prepare_inputs`: TRL's ~15 lines with a whole-group shuffle instead of the row shuffle.
+- `_compute_loss`: mean over groups of -sum_i q_i log softmax_K(l_theta)_i, divided by the gradient accumulation steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import torch
+from trl import GRPOTrainer
+from trl.extras.profiling import profiling_decorator
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import (
+    get_config_model_id,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
+
+from .config import TPOConfig, tpo_unsupported_options
+from .grouping import check_whole_groups, shuffle_groups, validate_group_batching
+from .target import ZERO_STD_THRESHOLD, sequence_logps, standardize_group_scores, tpo_group_stats, tpo_loss, tpo_target
+
+__all__ = ["TPOTrainer"]
+
+# Forward kwargs GRPOTrainer._compute_loss passes to `_get_per_token_logps_and_entropies` (TRL 1.16).
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+_REQUIRED_HOOKS = {
+    "_prepare_inputs": ("generation_batch",),
+    "_generate_and_score_completions": ("inputs",),
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "_compute_loss": ("model", "inputs"),
+    "_get_per_token_logps_and_entropies": (
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    )
+    + _FORWARD_KEYS,
+}
+
+
+# GRPOTrainer state read or written by the overrides (checked after GRPOTrainer.__init__).
+_REQUIRED_STATE = (
+    "_buffered_inputs",
+    "_step",
+    "_metrics",
+    "num_iterations",
+    "num_generations",
+    "num_generations_eval",
+    "reward_weights",
+    "beta",
+    "aux_loss_enabled",
+)
+
+
+def _check_trl_hooks() -> None:
+    """Fail loudly if the GRPOTrainer internals TPOTrainer relies on have changed."""
+    import trl
+
+    for name, params in _REQUIRED_HOOKS.items():
+        fn = getattr(GRPOTrainer, name, None)
+        if fn is None:
+            raise RuntimeError(
+                f"TPOTrainer needs GRPOTrainer.{name}, missing in trl {trl.__version__} (built for 1.16)."
+            )
+        have = inspect.signature(fn).parameters
+        missing = [p for p in params if p not in have]
+        if missing:
+            raise RuntimeError(
+                f"TPOTrainer needs GRPOTrainer.{name} with parameters {missing}; trl {trl.__version__} changed it "
+                "(built for 1.16)."
+            )
+    if not getattr(GRPOTrainer, "loss_is_scaled_for_ga", False):
+        raise RuntimeError(f"TPOTrainer expects GRPOTrainer.loss_is_scaled_for_ga = True (trl {trl.__version__}).")
+
+
+class TPOTrainer(GRPOTrainer):
+    """
+    Trainer for Target Policy Optimization (TPO, Kaddour 2026,
+    [arXiv 2604.06159](https://huggingface.co/papers/2604.06159)).
+
+    **Unrelated to `trl.experimental.tpo.TPOTrainer`** (TRL's *Triple* Preference Optimization); this class lives in
+    `trl_isopo` and is tagged `target-policy-optimization` on the Hub.
+
+    For each prompt, K = `num_generations` completions y_i are sampled and scored. With sequence log-probs
+    l_i = log pi(y_i | x) (sum over tokens, or mean with `tpo_length_normalize=True`), standardized scores
+    u = (s - mean) / std (population std within the group; std <= 1e-6 gives the centred scores, so a constant group
+    gives u = 0 and q = p_old), and p_old the training model's log-probs at rollout time, the target is
+    q = softmax(log_softmax(l_old) + u / eta) (frozen for all `num_iterations` reuses) and the loss is the mean over
+    groups of -sum_i q_i log softmax(l_theta)_i (gradient p_theta - q on the group logits), plus optional GRPO-style
+    `beta` KL to the reference model. Unscorable (reward None/NaN) and empty completions are excluded from both
+    softmaxes (q = 0).
+
+    Groups are kept whole in every micro-batch and on every process: `per_device_train_batch_size` must be a
+    multiple of `num_generations`, and micro-batches are formed by shuffling whole groups, so the update is the exact
+    mean over the groups of the optimizer step regardless of gradient accumulation and world size.
+
+    Args:
+        model: model id/path or `PreTrainedModel`, as for [`trl.GRPOTrainer`].
+        reward_funcs: reward function(s) or reward model(s), as for [`trl.GRPOTrainer`]; their weighted sum is the
+            score s.
+        args ([`TPOConfig`], *optional*): defaults to `TPOConfig("<model>-TPO")`.
+        **kwargs: every other [`trl.GRPOTrainer`] argument (`train_dataset`, `eval_dataset`, `processing_class`,
+            `peft_config`, `rollout_func`, ...).
+
+    Metrics (besides GRPO's generation metrics): `policy_loss` (the TPO cross-entropy), `entropy` (token entropy),
+    `kl` (if `beta != 0`), `tpo/kl_q_p` (KL(q || p_theta), mean over groups), `tpo/max_abs_p_minus_q`,
+    `tpo/target_entropy`, `tpo/frac_zero_variance_groups`, `tpo/frac_invalid_completions`.
+    """
+
+    _tag_names = ["trl", "trl-isopo", "target-policy-optimization"]
+    _name = "Target Policy Optimization"
+    _paper = {
+        "title": "Target Policy Optimization",
+        "id": "2604.06159",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{kaddour2026target,
+                title        = {{Target Policy Optimization}},
+                author       = {Jean Kaddour},
+                year         = 2026,
+                eprint       = {arXiv:2604.06159},
+            }"""),
+    }
+
+    def __init__(self, model, reward_funcs, args: TPOConfig | None = None, **kwargs):
+        _check_trl_hooks()
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = TPOConfig(f"{model_name.split('/')[-1]}-TPO")
+        if not isinstance(args, TPOConfig):
+            raise TypeError(
+                f"TPOTrainer needs a TPOConfig (from trl_isopo import TPOConfig), got {type(args).__name__}."
+            )
+        # Re-validate: fields may have been changed after TPOConfig.__post_init__ ran.
+        if not args.tpo_eta > 0:
+            raise ValueError(f"tpo_eta (the target temperature eta) must be > 0, got {args.tpo_eta}.")
+        validate_group_batching(
+            args.per_device_train_batch_size,
+            args.num_generations,
+            args.per_device_eval_batch_size if kwargs.get("eval_dataset") is not None else None,
+            args.num_generations_eval,
+        )
+        problems = tpo_unsupported_options(args)
+        if problems:
+            raise ValueError("TPOTrainer: " + " ".join(problems))
+        self._tpo_rewards_per_func = None
+        self._tpo_max_abs_p_minus_q = 0.0
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        missing = [name for name in _REQUIRED_STATE if not hasattr(self, name)]
+        if missing:
+            raise RuntimeError(f"TPOTrainer relies on GRPOTrainer attributes {missing}, missing in this TRL version.")
+
+    # ------------------------------------------------------------------ forward helper
+    def _tpo_forward(self, model, inputs, compute_entropy=False, compute_aux_loss=False, batch_size=None):
+        """(per-token log-probs (B, C), entropies or None, aux loss or None), computed as GRPO's loss does."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        return self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+
+    @staticmethod
+    def _loss_mask(inputs) -> torch.Tensor:
+        mask = inputs["completion_mask"]
+        if inputs.get("tool_mask") is not None:
+            mask = mask * inputs["tool_mask"]
+        return mask
+
+    # ------------------------------------------------------------------ generation-side hooks
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._tpo_rewards_per_func = rewards_per_func  # (N_global, num_reward_funcs), gathered over processes
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._tpo_rewards_per_func = None
+        output = super()._generate_and_score_completions(inputs)
+        rewards_per_func, self._tpo_rewards_per_func = self._tpo_rewards_per_func, None
+        if rewards_per_func is None:
+            raise RuntimeError("TPOTrainer: GRPOTrainer did not call _calculate_rewards; TRL internals changed.")
+
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        device = output["completion_ids"].device
+        num_rows = output["completion_ids"].shape[0]
+        if getattr(self, "environment_factories", None) is None:  # env reset() may legitimately change prompts
+            check_whole_groups(output["prompt_ids"], output["prompt_mask"], group_size, where=f"{mode} batch")
+        elif num_rows % group_size:
+            raise RuntimeError(f"TPO: {num_rows} rows are not whole groups of {group_size}.")
+
+        # Raw combined score s = sum_f w_f r_f (NaN rewards of single functions count as 0, as in TRL; a row where
+        # every function returned None is unscorable). Local slice: every process holds whole groups.
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        scores = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        scores = scores.masked_fill(unscorable, float("nan"))
+        rank = self.accelerator.process_index
+        scores = scores[rank * num_rows : (rank + 1) * num_rows].to(device)
+
+        # p_old: the training model's log-probs at rollout time (TRL computes them itself only when misaligned / vLLM).
+        old_per_token_logps = output.get("old_per_token_logps")
+        if old_per_token_logps is None:
+            batch_size = (
+                self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+            )
+            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                old_per_token_logps, _, _ = self._tpo_forward(self.model, output, batch_size=batch_size)
+            output["old_per_token_logps"] = old_per_token_logps
+
+        mask = self._loss_mask(output)
+        old_logps = sequence_logps(old_per_token_logps, mask, self.args.tpo_length_normalize)
+        valid = (mask.sum(-1) > 0) & torch.isfinite(scores) & torch.isfinite(old_logps)
+        valid_g = valid.view(-1, group_size)
+        u, std = standardize_group_scores(scores.view(-1, group_size), valid_g, return_std=True)
+        q = tpo_target(
+            old_logps.view(-1, group_size), u, valid_g, eta=self.args.tpo_eta, anchor=self.args.tpo_anchor
+        )
+        output["tpo_targets"] = q.reshape(-1).to(torch.float32)
+        output["tpo_valid_mask"] = valid
+
+        stats = tpo_group_stats(old_logps.view(-1, group_size), q, valid_g)
+        zero_var = (std <= ZERO_STD_THRESHOLD).sum().to(torch.float32)
+        local = torch.stack(
+            [
+                stats["target_entropy_sum"].float(),
+                stats["num_groups"].float(),
+                zero_var,
+                torch.tensor(float(valid_g.shape[0]), device=device),
+                (~valid).sum().float(),
+                torch.tensor(float(num_rows), device=device),
+            ]
+        )
+        totals = self.accelerator.reduce(local, reduction="sum")  # unconditional: a collective on every rank
+        self._metrics[mode]["tpo/target_entropy"].append((totals[0] / totals[1].clamp(min=1)).item())
+        self._metrics[mode]["tpo/frac_zero_variance_groups"].append((totals[2] / totals[3].clamp(min=1)).item())
+        self._metrics[mode]["tpo/frac_invalid_completions"].append((totals[4] / totals[5].clamp(min=1)).item())
+        return output
+
+    # ------------------------------------------------------------------ whole-group micro-batches
+    @profiling_decorator
+    def _prepare_inputs(self, generation_batch):
+        # GRPOTrainer._prepare_inputs (TRL 1.16) with the row shuffle replaced by a whole-group shuffle, so that each
+        # of the `steps_per_generation` contiguous micro-batches (per_device_train_batch_size rows, a multiple of K)
+        # holds whole groups.
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._step % generate_every == 0 or self._buffered_inputs is None:
+                generation_batch = self._generate_and_score_completions(generation_batch)
+                generation_batch = split_pixel_values_by_grid(generation_batch)
+                generation_batch = shuffle_groups(generation_batch, self.num_generations)
+                generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
+                self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in generation_batches]
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        else:
+            inputs = self._generate_and_score_completions(generation_batch)
+        return inputs
+
+    # ------------------------------------------------------------------ loss
+    @profiling_decorator
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        mask = self._loss_mask(inputs)
+        per_token_logps, entropies, aux_loss = self._tpo_forward(
+            model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+        )
+        logps = sequence_logps(per_token_logps, mask, self.args.tpo_length_normalize).view(-1, group_size)
+        targets = inputs["tpo_targets"].view(-1, group_size)
+        valid = inputs["tpo_valid_mask"].view(-1, group_size)
+
+        # Mean over the groups of this micro-batch; all micro-batches on all ranks hold the same number of groups, so
+        # dividing by GA (and DDP's mean over ranks) gives the mean over every group of the optimizer step.
+        policy_loss = tpo_loss(logps, targets, valid, reduction="mean")
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = policy_loss / normalizer
+
+        m = mask.bool()
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]
+            diff = torch.where(m, ref - per_token_logps, torch.zeros_like(per_token_logps))
+            per_token_kl = torch.exp(diff) - diff - 1
+            if self.args.use_bias_correction_kl:  # as GRPO: importance-weight the k3 estimator
+                old = inputs["old_per_token_logps"]
+                log_ratio = torch.where(m, per_token_logps - old, torch.zeros_like(per_token_logps))
+                per_token_kl = per_token_kl * torch.exp(log_ratio)
+            per_token_kl = torch.where(m, per_token_kl, torch.zeros_like(per_token_kl))
+            kl_per_seq = per_token_kl.sum(-1) / m.sum(-1).clamp(min=1)
+            loss = loss + self.beta * kl_per_seq.mean() / normalizer
+
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        # Metrics. Every collective below runs on every rank, in the same order.
+        stats = tpo_group_stats(logps, targets, valid)
+        ent = torch.where(m, entropies.detach().float(), torch.zeros((), device=m.device))
+        local = [
+            stats["cross_entropy_sum"].float(),
+            torch.tensor(float(logps.shape[0]), device=m.device),
+            stats["kl_q_p_sum"].float(),
+            stats["num_groups"].float(),
+            ent.sum(),
+            m.sum().float(),
+        ]
+        if self.beta != 0.0:
+            local += [per_token_kl.detach().float().sum(), m.sum().float()]
+        totals = self.accelerator.reduce(torch.stack(local), reduction="sum")
+        max_abs = self.accelerator.gather(stats["max_abs_p_minus_q"].float().reshape(1)).max().item()
+        self._metrics[mode]["policy_loss"].append((totals[0] / totals[1].clamp(min=1)).item())
+        self._metrics[mode]["tpo/kl_q_p"].append((totals[2] / totals[3].clamp(min=1)).item())
+        self._metrics[mode]["entropy"].append((totals[4] / totals[5].clamp(min=1)).item())
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append((totals[6] / totals[7].clamp(min=1)).item())
+        # A max over the whole optimizer step (all micro-batches and ranks), logged once per step.
+        self._tpo_max_abs_p_minus_q = max(self._tpo_max_abs_p_minus_q, max_abs)
+        if mode == "eval" or self.accelerator.sync_gradients:
+            self._metrics[mode]["tpo/max_abs_p_minus_q"].append(self._tpo_max_abs_p_minus_q)
+            self._tpo_max_abs_p_minus_q = 0.0
+        return loss

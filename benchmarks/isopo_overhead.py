@@ -1,0 +1,216 @@
+"""ISOPO overhead vs plain GRPO: policy-loss forward+backward of one micro-batch, same model and batch.
+
+For each shape it builds one GRPOTrainer and one ISOPOTrainer on identical model copies, then times
+`compute_loss(...).backward()` for GRPO and each ISOPO variant, interleaved over repeats (median of per-round
+ratios). It also prints peak memory ratios (CPU: torch profiler memory timeline; CUDA: max_memory_allocated) and the
+analytic floor: the extra multiply-accumulates ISOPO must do under the routes it picks, over the plain step's.
+
+    python benchmarks/isopo_overhead.py                      # default shapes: small, lora896, full896
+    python benchmarks/isopo_overhead.py --shapes full896 --seq 512 --repeats 9 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+SHAPES = {
+    # name: (hidden, intermediate, layers, heads, kv_heads, lora_r)
+    "small": (64, 256, 2, 4, 2, 0),
+    "lora896": (896, 4864, 2, 14, 2, 16),
+    "full896": (896, 4864, 2, 14, 2, 0),
+}
+VARIANTS = {
+    "p=-1": dict(p=-1.0, q=0.0, r=0.0),
+    "q=-1": dict(p=0.0, q=-1.0, r=0.0),
+    "interacting": dict(p=-1.0, q=0.0, r=0.0, interacting=True),
+}
+
+
+def build(shape: str, vocab: int, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trl_isopo.tiny import build_word_tokenizer
+
+    hidden, inter, layers, heads, kv, lora_r = SHAPES[shape]
+    tokenizer = build_word_tokenizer([f"w{i}" for i in range(vocab - 4)])
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    if lora_r:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        lc = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=targets,
+                        task_type="CAUSAL_LM", init_lora_weights=False)
+        model = get_peft_model(model, lc)
+    return model, tokenizer, cfg, lora_r
+
+
+def make_trainers(model, tokenizer, outdir):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_isopo import ISOPOConfig, ISOPOTrainer
+
+    common = dict(report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False, save_strategy="no",
+                  disable_tqdm=True, per_device_train_batch_size=8, num_generations=8, max_completion_length=8,
+                  gradient_checkpointing=False, loss_type="bnpo")
+    ds = Dataset.from_dict({"prompt": ["w0 w1"] * 8})
+    reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
+    plain = GRPOTrainer(copy.deepcopy(model), reward, args=GRPOConfig(output_dir=outdir + "/g", **common),
+                        train_dataset=ds, processing_class=tokenizer)
+    isopo = ISOPOTrainer(copy.deepcopy(model), reward, args=ISOPOConfig(output_dir=outdir + "/i", **common),
+                         train_dataset=ds, processing_class=tokenizer)
+    for t in (plain, isopo):
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+    return plain, isopo
+
+
+def make_batch(B, T, vocab, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = T // 4
+    ids = torch.randint(4, vocab, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b in range(B):  # some left padding in prompts and right padding in completions
+        mask[b, : b % 3] = 0
+        mask[b, T - (b % 4) * 3 :] = 0 if b % 4 else 1
+    return {
+        "prompt_ids": ids[:, :P].to(device), "prompt_mask": mask[:, :P].to(device),
+        "completion_ids": ids[:, P:].to(device), "completion_mask": mask[:, P:].to(device),
+        "advantages": torch.randn(B, generator=g).to(device), "num_items_in_batch": mask[:, P:].sum().to(device),
+    }
+
+
+def step_fn(trainer, inputs, isopo: bool):
+    def run():
+        trainer.model.zero_grad(set_to_none=True)
+        if isopo:
+            with trainer.isopo_active():
+                trainer.compute_loss(trainer.model, inputs).backward()
+        else:
+            trainer.compute_loss(trainer.model, inputs).backward()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    return run
+
+
+def peak_memory(fn) -> float:
+    """Peak bytes allocated during fn (CUDA allocator stats, or the CPU profiler's memory timeline)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return float(max(sum(s) for s in sizes))
+
+
+def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
+    """(plain MACs of the step, ISOPO's extra MACs under the routes it picks)."""
+    from trl_isopo.isopo.routes import route_costs
+
+    H, V = cfg.hidden_size, cfg.vocab_size
+    N = B * T
+    plain = 0.0
+    for _, m in trainer.model.named_modules():
+        if isinstance(m, torch.nn.Linear) and m is not trainer.model.get_output_embeddings():
+            macs = N * m.in_features * m.out_features
+            plain += macs * (3 if m.weight.requires_grad else 2)  # fwd, input grad, weight grad if trainable
+    head_trainable = trainer.model.get_output_embeddings().weight.requires_grad
+    plain += N * H * V * (3 if head_trainable else 2)
+    plain += cfg.num_hidden_layers * 3 * 2 * B * T * T * H  # attention scores and values, fwd + bwd
+    extra = 0.0
+    S = 0 if settings.interacting else min(settings.fisher_tokens or N, N)
+    for name, m in trainer.model.named_modules():
+        if name in set(trainer.isopo_coverage["covered"]):
+            c = route_costs(B, T, m.in_features, m.out_features, S, settings.needs_fisher, settings.interacting,
+                            settings.budget_bytes)
+            extra += min(c.gram, c.mat) if settings.route == "auto" else getattr(c, settings.route)
+    if head_trainable and trainer.args.isopo_other_params == "advantage_weighted":
+        extra += 2 * N * H * V  # the second (weight-gradient) head call: its forward tiles and their recompute
+    return plain, extra
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="small,lora896,full896")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-memory", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from trl_isopo.isopo.linear import ISOPOSettings
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
+          f"B={args.batch} T={args.seq} vocab={args.vocab}, {args.repeats} interleaved repeats (median ratio)")
+    print("| shape | variant | GRPO ms | ISOPO ms | time ratio | analytic floor | overhead / floor | peak mem ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        model, tokenizer, cfg, lora_r = build(shape, args.vocab)
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, isopo = make_trainers(model, tokenizer, tmp)
+            batch = make_batch(args.batch, args.seq, cfg.vocab_size, device)
+            base = isopo.isopo_context.settings
+            runs = {"grpo": step_fn(plain, batch, False)}
+            variant_settings = {}
+            for v in args.variants.split(","):
+                variant_settings[v] = ISOPOSettings(**{**base.__dict__, **VARIANTS[v]})
+
+                def run_v(s=variant_settings[v], f=step_fn(isopo, batch, True)):
+                    isopo.isopo_context.settings = s
+                    f()
+
+                runs[v] = run_v
+            for f in runs.values():  # warm-up
+                f()
+            times = {k: [] for k in runs}
+            for _ in range(args.repeats):
+                for k, f in runs.items():
+                    t0 = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t0)
+            mem = {} if args.no_memory else {k: peak_memory(f) for k, f in runs.items()}
+            for v in variant_settings:
+                ratios = [a / b for a, b in zip(times[v], times["grpo"])]
+                plain_macs, extra = analytic(isopo, cfg, args.batch, args.seq, lora_r, variant_settings[v])
+                floor = extra / plain_macs
+                ratio = statistics.median(ratios)
+                mem_ratio = f"{mem[v] / mem['grpo']:.3f}" if mem else "-"
+                print(f"| {shape} | {v} | {1e3 * statistics.median(times['grpo']):.1f} | "
+                      f"{1e3 * statistics.median(times[v]):.1f} | {ratio:.3f} | {1 + floor:.3f} | "
+                      f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_ratio} |", flush=True)
+        del model, plain, isopo
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

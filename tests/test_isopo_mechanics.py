@@ -151,3 +151,76 @@ def test_scale_invariance_is_exact_away_from_eps(knobs):
         s = isopo_sequence_scales(e, f, relative_overlap(f, e), {"e": 0.0, "f": 0.0, "rho": 0.0}, p, q, r, 0.0)
         out.append(reweighted_weight_grad(X, G * scale, A * s, st)[0])
     assert rel_err(out[0], out[1]) < 1e-10
+
+
+def test_statistics_identical_with_and_without_checkpointing(tiny_tokenizer, tmp_path):
+    """Real ISOPO weights (c = 1 with a stored EMA, seeded Fisher sample): GC recompute changes nothing."""
+    out = {}
+    for mode in ("off", "non-reentrant", "reentrant"):
+        model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=8)
+        trainer = make_trainer(model, tiny_tokenizer, tmp_path / mode)
+        set_settings(trainer, p=-1.0, q=-1.0, r=0.0, reg=1.0, fisher_tokens=9)
+        trainer.isopo_context.ema.ema = {
+            f"{n}/{k}": 1e-5 for n in trainer.isopo_coverage["covered"] for k in ("e", "f")
+        }
+        if mode != "off":
+            trainer.model.gradient_checkpointing_enable({"use_reentrant": mode == "reentrant"})
+            trainer.model.enable_input_require_grads()
+        trainer.model.zero_grad(set_to_none=True)
+        isopo_backward(trainer, make_batch(tiny_tokenizer, seed=3))
+        out[mode] = grads(trainer)
+    for mode in ("non-reentrant", "reentrant"):
+        for n in out["off"]:
+            assert rel_err(out[mode][n], out["off"][n]) < 1e-13, (mode, n)
+
+
+def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp_path):
+    from trl_isopo.isopo.linear import MicroBatch
+
+    model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=1)
+    trainer = make_trainer(model, tiny_tokenizer, tmp_path)
+    ctx = trainer.isopo_context
+    set_settings(trainer, fisher_tokens=6)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, 2:] = mask[1, :] = mask[2, 4] = True
+    mb = MicroBatch(mask=mask, advantages=torch.ones(3), seed=11)
+    valid = set(mask.reshape(-1).nonzero().squeeze(1).tolist())
+    names = trainer.isopo_coverage["covered"]
+    samples = {n: ctx.fisher_sample(n, mb) for n in names}
+    for J in samples.values():
+        assert len(J) == 6 and len(set(J.tolist())) == 6 and set(J.tolist()) <= valid
+    assert len({tuple(J.tolist()) for J in samples.values()}) > 1  # fresh per layer
+    assert torch.equal(samples[names[0]], ctx.fisher_sample(names[0], MicroBatch(mask=mask, advantages=torch.ones(3), seed=11)))
+    assert not torch.equal(samples[names[0]], ctx.fisher_sample(names[0], MicroBatch(mask=mask, advantages=torch.ones(3), seed=12)))
+    set_settings(trainer, fisher_tokens=100)  # more than the 9 valid positions: all of them
+    assert set(ctx.fisher_sample(names[0], mb).tolist()) == valid
+
+
+def test_lora_default_init_zero_lora_B(tiny_tokenizer, tmp_path):
+    """PEFT initializes lora_B = 0, so lora_A's output gradient is exactly 0 at step 0: its ISOPO gradient must be 0
+    (finite), lora_B's must match the dense formula, and the zero statistics must not enter the EMA."""
+    from isopo_oracle import dense_weights, per_sequence_data
+
+    model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=3)
+    lc = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(model, tiny_tokenizer, tmp_path, peft_config=lc)
+    inputs = make_batch(tiny_tokenizer, seed=2)
+    data = per_sequence_data(trainer, inputs)
+    valid = data["mask"].reshape(-1).nonzero().squeeze(1)
+    for interacting in (False, True):
+        set_settings(trainer, p=-1.0, reg=1.0, fisher_tokens=0, interacting=interacting)
+        trainer.model.zero_grad(set_to_none=True)
+        isopo_backward(trainer, inputs)
+        got = grads(trainer)
+        for n in trainer.isopo_coverage["covered"]:
+            g = got[f"{n}.weight"]
+            assert torch.isfinite(g).all()
+            if "lora_A" in n:
+                assert torch.count_nonzero(g) == 0
+            elif not interacting:
+                w, _ = dense_weights(data["V"][n], data["X"][n], data["G"][n], valid, inputs["advantages"], -1.0, 0, 0, 1.0)
+                assert rel_err(g, torch.einsum("b,boi->oi", w, data["V"][n])) < 1e-10, n
+        trainer.isopo_context.ema.end_step()
+        assert not any("lora_A" in k for k in trainer.isopo_context.ema.ema)
+        assert any("lora_B" in k for k in trainer.isopo_context.ema.ema)
+        trainer.isopo_context.ema.ema = {}

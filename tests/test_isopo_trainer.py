@@ -72,16 +72,28 @@ def test_train_changes_parameters_and_logs_metrics(tiny_model_dir, tiny_tokenize
     assert trainer.isopo_context.ema.ema  # statistics were folded into the EMA
 
 
-def test_train_lora_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("interacting", [False, True])
+def test_train_lora_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, tmp_path, interacting):
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer, before, changed = run(
-        tiny_model_dir, tiny_tokenizer, config(tmp_path, gradient_checkpointing=True, learning_rate=5e-2), peft_config=lora
-    )
+    args = config(tmp_path, gradient_checkpointing=True, learning_rate=5e-2, isopo_interacting=interacting)
+    trainer, before, changed = run(tiny_model_dir, tiny_tokenizer, args, peft_config=lora)
     assert before and all(".lora_" in n for n in before)
     # lora_B starts at 0 (so lora_A's gradient is 0 at step 0); after 3 steps both have moved.
     assert any("lora_B" in n for n in changed) and any("lora_A" in n for n in changed)
     assert trainer.isopo_coverage["isopo_layers"] == 8 and trainer.isopo_coverage["other_params"] == 0
     assert "isopo/euclidean_norm" in trainer.state.log_history[0]
+
+
+def test_ema_folds_once_per_optimizer_step(tiny_model_dir, tiny_tokenizer, tmp_path):
+    args = config(tmp_path, gradient_accumulation_steps=3, per_device_train_batch_size=4, max_steps=2)
+    trainer = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer
+    )
+    ema = trainer.isopo_context.ema
+    calls, original = [], ema.end_step
+    ema.end_step = lambda *a, **k: (calls.append(trainer._isopo_micro_step), original(*a, **k))[1]
+    trainer.train()
+    assert calls == [3, 6]  # after the 3rd and 6th micro-batch: at the optimizer-step boundaries only
 
 
 def test_bad_data_nan_rewards_and_empty_completions(tiny_model_dir, tiny_tokenizer, tmp_path):
@@ -116,6 +128,8 @@ def test_bad_data_nan_rewards_and_empty_completions(tiny_model_dir, tiny_tokeniz
         (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
         (dict(delta=2.0), "delta"),
         (dict(torch_compile=True), "torch_compile"),
+        (dict(use_vllm=True), "vllm_importance_sampling_correction"),
+        (dict(fp16=True, bf16=False), "fp16"),
     ],
 )
 def test_config_errors_name_the_fix(tmp_path, bad, message):

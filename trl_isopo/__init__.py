@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ISOPOConfig": "trl_isopo.isopo.config",
     "ISOPOTrainer": "trl_isopo.isopo.trainer",
+    "isopo_sequence_scales": "trl_isopo.isopo.reweight",
     "isopo_sequence_weights": "trl_isopo.isopo.reweight",
     "regularized_magnitude": "trl_isopo.isopo.reweight",
     "interacting_coefficients": "trl_isopo.isopo.reweight",

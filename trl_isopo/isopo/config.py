@@ -145,6 +145,16 @@ class ISOPOConfig(GRPOConfig):
                 "importance_sampling_level='sequence' would turn ISOPO's seed into a per-sequence token mean; ISOPO "
                 "has no ratio: leave it at 'token' and pick the normalization with loss_type."
             )
+        if self.fp16:
+            errors.append(
+                "fp16 uses a GradScaler whose unscale step would divide ISOPO's loss-scale-free gradient by the scale: "
+                "use bf16=True or full precision."
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            errors.append(
+                "ISOPO has no importance ratio (like the reference, which recomputes log-probs in the trainer): set "
+                "vllm_importance_sampling_correction=False when use_vllm=True."
+            )
         if self.torch_compile:
             errors.append("ISOPO's per-layer autograd Function does not compile: set torch_compile=False.")
         if self.use_liger_kernel:

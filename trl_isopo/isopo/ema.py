@@ -4,10 +4,16 @@ For each (layer, statistic) the regularizer uses mu = EMA over *previous* optimi
 Before any history exists, each sequence is regularized by its own x^2. At the end of every optimizer step the values
 accumulated during that step (over all micro-batches and, after an all-reduce, all processes) are averaged into
 `cur`; then `ema = cur` the first time, else `decay * ema + (1 - decay) * cur`; the accumulators are cleared.
+
+Deviation from the reference (documented in docs/isopo.md): a step mean that is zero or not finite carries no
+scale information (all-zero gradients, e.g. PEFT's lora_A while lora_B = 0, or an overflow), so it is not folded:
+folding a 0 would make R(x) = sqrt(x^2 / 1e-8 + 1) on the next step (and lam = 0, i.e. a zero gradient, in the
+interacting variant); folding inf / NaN would poison the EMA for good. Skipped folds are counted in `skipped`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,8 +27,10 @@ class EMAStatistics:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         self.decay = decay
         self.ema: dict[str, float] = {}
-        self._sum: dict[str, float] = {}
+        # Step accumulators stay tensors (no host sync inside the backward); converted once in `end_step`.
+        self._sum: dict[str, torch.Tensor] = {}
         self._count: dict[str, float] = {}
+        self.skipped = 0
 
     @staticmethod
     def key(layer: str, stat: str) -> str:
@@ -36,14 +44,15 @@ class EMAStatistics:
     def accumulate(self, layer: str, stat: str, values: torch.Tensor) -> None:
         """Add the (B,) values of one micro-batch (x^2 per sequence, or one value per micro-batch)."""
         k = self.key(layer, stat)
-        self._sum[k] = self._sum.get(k, 0.0) + float(values.detach().double().sum())
+        total = values.detach().double().sum()
+        self._sum[k] = total if k not in self._sum else self._sum[k] + total
         self._count[k] = self._count.get(k, 0.0) + float(values.numel())
 
     def end_step(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, world_size: int = 1) -> None:
         """Fold this step's means into the EMA. `all_reduce` sums a float64 tensor over the `world_size` processes
         (same key order on every rank: keys are sorted; their number is reduced too and checked)."""
         keys = sorted(self._sum)
-        sums = torch.tensor([self._sum[k] for k in keys] + [float(len(keys))], dtype=torch.float64)
+        sums = torch.tensor([float(self._sum[k]) for k in keys] + [float(len(keys))], dtype=torch.float64)
         counts = torch.tensor([self._count[k] for k in keys], dtype=torch.float64)
         if all_reduce is not None:
             both = all_reduce(torch.cat([sums, counts]))
@@ -55,6 +64,9 @@ class EMAStatistics:
             if n <= 0:
                 continue
             cur = s / n
+            if not math.isfinite(cur) or cur <= 0.0:
+                self.skipped += 1
+                continue
             old = self.ema.get(k)
             self.ema[k] = cur if old is None else self.decay * old + (1.0 - self.decay) * cur
         self._sum.clear()
@@ -64,7 +76,7 @@ class EMAStatistics:
         return {"decay": self.decay, "ema": dict(self.ema)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.decay = float(state["decay"])
+        """Restore the EMA values; the decay stays the configured one (a resumed run may change it on purpose)."""
         self.ema = {str(k): float(v) for k, v in state["ema"].items()}
         self._sum.clear()
         self._count.clear()

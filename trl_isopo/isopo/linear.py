@@ -61,6 +61,11 @@ class MicroBatch:
     advantages: torch.Tensor
     seed: int = 0
     logits_to_keep: int = 0
+    valid_index: torch.Tensor | None = None  # flat indices of valid positions (computed once, not per layer)
+
+    def __post_init__(self):
+        if self.valid_index is None:
+            object.__setattr__(self, "valid_index", self.mask.reshape(-1).nonzero().squeeze(1))
 
 
 @dataclass
@@ -81,16 +86,20 @@ class ISOPOContext:
         if self.ema is None:
             self.ema = EMAStatistics(self.settings.ema_decay)
 
-    def fisher_sample(self, name: str, mask: torch.Tensor, seed: int) -> torch.Tensor:
-        """Flat indices (into B*L) of J: uniform without replacement among valid positions, |J| = min(k, N)."""
-        valid = mask.reshape(-1).nonzero().squeeze(1)
+    def fisher_sample(self, name: str, mb: MicroBatch) -> torch.Tensor:
+        """Flat indices (into B*L) of J: uniform without replacement among valid positions, |J| = min(k, N).
+
+        Fresh per layer and micro-batch, from a CPU generator seeded by (micro-batch seed, layer index), so runs
+        are reproducible and independent of the global RNG.
+        """
+        valid = mb.valid_index
         if self.sample_override is not None:
             return self.sample_override[name].to(valid.device)
         k = self.settings.fisher_tokens
         if k <= 0 or k >= valid.numel():
             return valid
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + 7919 * self.layer_index.get(name, 0)) % (2**63))
-        return valid[torch.randperm(valid.numel(), generator=gen)[:k].to(valid.device)]
+        gen = torch.Generator().manual_seed((mb.seed * 1_000_003 + 7919 * self.layer_index.get(name, 0)) % (2**63))
+        return valid[torch.randperm(valid.numel(), generator=gen)[:k].to(valid.device, non_blocking=True)]
 
     def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
         """ISOPO weight (and bias) gradient of layer `name`. x: (B, L, d_in), g: (B, L, d_out)."""
@@ -106,39 +115,45 @@ class ISOPOContext:
         X = torch.where(m, x.to(dt), 0.0)  # `where`, not a product: pad rows may hold NaN activations
         G = torch.where(m, g.to(dt), 0.0)
         A = mb.advantages.to(device=X.device, dtype=dt)
-        sample = self.fisher_sample(name, mb.mask, mb.seed) if s.needs_fisher else None
+        sample = self.fisher_sample(name, mb) if s.needs_fisher else None
         stats = sequence_statistics(X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias)
         e = stats.e2.clamp_min(0).sqrt()
+        live = stats.e2 > 0  # sequences with a nonzero gradient in this layer (metrics ignore the others)
         metrics = self.metrics
-        metrics["euclidean_norm"].append(e.mean().item())
+        metrics["euclidean_norm"].append(e.mean())  # tensors: no host sync in backward; reduced per step
         if s.interacting:
             mean_eig = stats.e2.mean()  # trace(K) / B
             lam = s.interacting_reg * self.ema.mu(name, "ntk", mean_eig)
             w = interacting_coefficients(stats.ntk, A, lam).to(dt)
             self.ema.accumulate(name, "ntk", mean_eig.reshape(1))
-            metrics["ntk_lambda"].append(float(lam))
-            nz = A != 0
-            if nz.any():
-                metrics["scale_mean"].append((w[nz] / A[nz]).mean().item())
-                metrics["scale_std"].append((w[nz] / A[nz]).std(unbiased=False).item())
+            metrics["ntk_lambda"].append(torch.as_tensor(lam, dtype=dt, device=X.device))
+            ratio = w / torch.where(A != 0, A, 1.0)  # alpha_i / A_i; 1 = REINFORCE
+            keep = live & (A != 0)
         else:
             f = fisher_norm(stats.fisher_num, stats.fisher_den) if s.needs_fisher else None
             rho = relative_overlap(f, e) if s.r != 0 else None
             used = {"e": (e, s.q), "f": (f, s.p), "rho": (rho, s.r)}
             mu = {k: self.ema.mu(name, k, v * v) for k, (v, ex) in used.items() if ex != 0}
-            scales = isopo_sequence_scales(e, f, rho, mu, s.p, s.q, s.r, s.reg)
-            w = isopo_sequence_weights(A, scales)
+            ratio = isopo_sequence_scales(e, f, rho, mu, s.p, s.q, s.r, s.reg)
+            w = isopo_sequence_weights(A, ratio)
             for k, (v, ex) in used.items():
                 if ex != 0:
                     self.ema.accumulate(name, k, v * v)
             if f is not None:
-                metrics["fisher_norm"].append(f.mean().item())
+                metrics["fisher_norm"].append(f.mean())
             if rho is not None:
-                metrics["rel_overlap"].append(rho.mean().item())
-            metrics["scale_mean"].append(scales.mean().item())
-            metrics["scale_std"].append(scales.std(unbiased=False).item())
+                metrics["rel_overlap"].append(rho.mean())
+            keep = live
+        n_keep = keep.sum().clamp_min(1)
+        mean = torch.where(keep, ratio, 0.0).sum() / n_keep
+        metrics["scale_mean"].append(mean)
+        metrics["scale_std"].append((torch.where(keep, (ratio - mean) ** 2, 0.0).sum() / n_keep).sqrt())
         if self.weight_override is not None:
             w = self.weight_override(name, A).to(dt)
+        # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
+        finite = torch.isfinite(w)
+        metrics["nonfinite_coefficients"].append((~finite).sum().to(dt))
+        w = torch.where(finite, w, 0.0)
         gw, gb = reweighted_weight_grad(X, G, w, stats)
         return gw, (gb if has_bias else None)
 

@@ -70,7 +70,7 @@ def route_costs(
     mat = 2 * B * d_in * d_out
     mat += B * S * d_in * d_out if fisher else 0.0
     mat += B * B * d_in * d_out if ntk else 0.0
-    if B * d_out * d_in * 4 > budget_bytes:
+    if B * d_out * (d_in + (S if fisher else 0)) * 4 > budget_bytes:  # V does not fit: one more GEMM at the end
         mat += B * L * d_in * d_out
     return RouteCost(gram=float(gram), mat=float(mat))
 
@@ -174,7 +174,9 @@ def _mat(X, G, XJ, GJ, ntk, budget):
     B, L, d_in = X.shape
     d_out = G.shape[-1]
     item = X.element_size()
-    step = _rows_per_chunk(B * d_in * item, budget, d_out)
+    # Per d_out row: the V chunk (B, c, d_in) and, for the Fisher numerator, Y = V a_J (B, c, S).
+    S = XJ.shape[0] if XJ is not None else 0
+    step = _rows_per_chunk(B * (d_in + S) * item, budget, d_out)
     keep = step >= d_out
     e2 = X.new_zeros(B)
     u = X.new_zeros(B, XJ.shape[0]) if XJ is not None else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
+from transformers.utils import logging
 import os
 import textwrap
 
@@ -21,7 +21,7 @@ from .config import ISOPOConfig
 from .linear import ISOPOContext, ISOPOSettings, MicroBatch, install_isopo_linears
 from .other_params import advantage_weighted_head, install_advantage_weighting, other_trainable_modules
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 ISOPO_STATE_FILE = "isopo_state.json"
 # GRPOTrainer internals this class relies on; checked at construction so a TRL upgrade fails loudly.
@@ -91,6 +91,7 @@ class ISOPOTrainer(GRPOTrainer):
         )
         self.isopo_coverage = self._install_isopo()
         self._isopo_micro_step = 0
+        self._isopo_skipped = 0
 
     # ----------------------------------------------------------------------------------------------------- set-up
     def _zero_stage(self) -> int:
@@ -179,14 +180,24 @@ class ISOPOTrainer(GRPOTrainer):
 
         ctx.ema.end_step(reduce, self.accelerator.num_processes)
         names = ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "ntk_lambda")
+        # counts (summed, not averaged): sequences whose coefficient was not finite, EMA folds skipped
+        bad = float(sum(ctx.metrics["nonfinite_coefficients"])) if ctx.metrics["nonfinite_coefficients"] else 0.0
         local = torch.tensor(
-            [[sum(ctx.metrics[n]), float(len(ctx.metrics[n]))] for n in names], dtype=torch.float64
+            [[float(sum(ctx.metrics[n])) if ctx.metrics[n] else 0.0, float(len(ctx.metrics[n]))] for n in names],
+            dtype=torch.float64,
         )
         if self.accelerator.num_processes > 1:
             local = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu()
         for n, (total, count) in zip(names, local.tolist()):
             if count > 0:
                 self._metrics["train"][f"isopo/{n}"].append(total / count)
+        skipped, self._isopo_skipped = ctx.ema.skipped - self._isopo_skipped, ctx.ema.skipped
+        if bad:
+            logger.warning("ISOPO step %d: %d non-finite per-sequence coefficients dropped (those sequences did not "
+                           "contribute to their layer).", self.state.global_step, int(bad))
+        if skipped:
+            logger.info("ISOPO step %d: %d EMA folds skipped (zero or non-finite step statistics).",
+                        self.state.global_step, skipped)
         ctx.metrics.clear()
 
     def _compute_loss(self, model, inputs):

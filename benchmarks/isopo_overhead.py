@@ -150,8 +150,7 @@ def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
             c = route_costs(B, T, m.in_features, m.out_features, S, settings.needs_fisher, settings.interacting,
                             settings.budget_bytes)
             extra += min(c.gram, c.mat) if settings.route == "auto" else getattr(c, settings.route)
-    if head_trainable and trainer.args.isopo_other_params == "advantage_weighted":
-        extra += 2 * N * H * V  # the second (weight-gradient) head call: its forward tiles and their recompute
+    # The advantage-weighted LM head (RowScaledChunkedLogProb) does the same tile work as TRL's kernel: no extra.
     return plain, extra
 
 

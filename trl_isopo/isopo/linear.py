@@ -107,8 +107,9 @@ class ISOPOContext:
         if x.shape[:2] != mb.mask.shape:
             raise RuntimeError(
                 f"ISOPO layer {name} saw inputs of shape {tuple(x.shape)} but the micro-batch mask is "
-                f"{tuple(mb.mask.shape)}: ISOPO needs one padded sequence per row (packed / padding-free inputs are "
-                "not supported)."
+                f"{tuple(mb.mask.shape)}: ISOPO needs inputs laid out as (batch, sequence) rows of the text tokens. "
+                "Packed / padding-free inputs, vision towers and MoE experts (which see flattened tokens) are not "
+                "supported: freeze those modules or exclude them from the LoRA target_modules."
             )
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
         m = mb.mask.unsqueeze(-1)
@@ -210,6 +211,12 @@ def install_isopo_linears(model: nn.Module, context: ISOPOContext, exclude: set[
     names = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear and module.weight.requires_grad and id(module) not in exclude:
+            if "forward" in module.__dict__:
+                raise ValueError(
+                    f"{name} already has an instance-level forward (e.g. accelerate's device_map offload hooks), which "
+                    "ISOPO would replace. Load the model without offloading (no device_map='auto' with CPU/disk "
+                    "offload) for ISOPO training."
+                )
             module._isopo_context = context
             module._isopo_name = name
             module.forward = types.MethodType(_isopo_linear_forward, module)

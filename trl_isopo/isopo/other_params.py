@@ -10,8 +10,8 @@ A_i while the gradient passed on to lower layers stays advantage-free:
   (value unchanged, d/dx unscaled, d/dtheta scaled by A per row); if no input needs a gradient (an embedding lookup)
   a single call y = RowScale(f(x; theta), A) suffices;
 - TRL's fused log-prob head reads `lm_head.weight` directly inside `ChunkedLogProbFunction`, so during the ISOPO
-  window that kernel is called twice: once on the detached weight (gradient to the hidden states) and once on the
-  detached hidden states with rows scaled by A (gradient to the weight). Cost: one extra head forward.
+  window that kernel is replaced by `fused_head.RowScaledChunkedLogProb`: same outputs and hidden-state gradient,
+  weight/bias gradient with each token row scaled by its sequence's A, in one pass of tile recomputation.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import types
 
 import torch
 import torch.nn as nn
+
+from .fused_head import RowScaledChunkedLogProb
 
 OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
 
@@ -147,12 +149,8 @@ class _AdvantageWeightedHead:
         trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
         if not (self.context.active and mb is not None and trainable and torch.is_grad_enabled()):
             return self.original.apply(hidden, weight, bias, targets, *rest)
-        detached_bias = bias.detach() if bias is not None else None
-        main = self.original.apply(hidden, weight.detach(), detached_bias, targets, *rest)
-        side = self.original.apply(hidden.detach(), weight, bias, targets, *rest)
-        scale = _head_row_scale(hidden.shape[0], mb).to(device=hidden.device)
-        logp = main[0] + RowScale.apply(side[0] - side[0].detach(), scale)
-        return (logp, *main[1:])
+        scale = _head_row_scale(hidden.shape[0], mb).to(device=hidden.device, dtype=torch.float32)
+        return RowScaledChunkedLogProb.apply(hidden, weight, bias, targets, scale, *rest)
 
 
 @contextlib.contextmanager

@@ -15,16 +15,10 @@ from trl_isopo import ISOPOConfig, ISOPOTrainer
 
 
 def make_trainer(model, tokenizer, tmp_path, peft_config=None, **overrides):
-    from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward
+    from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward, tiny_training_args
 
-    kwargs = dict(
-        output_dir=str(tmp_path / "isopo"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+    kwargs = tiny_training_args(
+        tmp_path / "isopo",
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=4,

@@ -9,20 +9,14 @@ from _launch import launch_two_processes
 from peft import LoraConfig
 
 from trl_isopo import ISOPOConfig, ISOPOTrainer
-from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward
+from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward, tiny_training_args
 
 HERE = os.path.dirname(__file__)
 
 
 def config(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+    base = tiny_training_args(
+        tmp_path / "out",
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
         num_generations=4,

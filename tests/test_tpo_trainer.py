@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trl_isopo import TPOConfig, TPOTrainer
-from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward
+from trl_isopo.tiny import tiny_prompt_dataset, tiny_reward, tiny_training_args
 from trl_isopo.tpo.grouping import check_whole_groups, shuffle_groups
 
 HERE = Path(__file__).parent
@@ -19,14 +19,8 @@ _spec.loader.exec_module(two_proc)
 
 
 def base_args(tmp_path, **kw):
-    args = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+    args = tiny_training_args(
+        tmp_path / "out",
         max_completion_length=6,
         per_device_train_batch_size=8,
         num_generations=4,

@@ -15,50 +15,29 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import textwrap
 from collections.abc import Sequence
 
 TRAINING_COMMAND_HEADING = "## Training command"
 
-METHOD_TAGS = {
-    "grpo": ["trl", "trl-isopo", "grpo"],
-    "isopo": ["trl", "trl-isopo", "isopo"],
-    "tpo": ["trl", "trl-isopo", "target-policy-optimization"],
-}
+def _trainer_class(method: str):
+    from trl import GRPOTrainer
 
-METHOD_PAPERS = {
-    "isopo": {
-        "title": "ISOPO: Proximal policy gradients without pi-old",
-        "id": "2512.23353",
-        "citation": textwrap.dedent("""\
-            @article{abrahamsen2025isopo,
-                title        = {{ISOPO: Proximal policy gradients without pi-old}},
-                author       = {Nilin Abrahamsen},
-                year         = 2025,
-                eprint       = {arXiv:2512.23353},
-            }"""),
-    },
-    "tpo": {
-        "title": "Target Policy Optimization",
-        "id": "2604.06159",
-        "citation": textwrap.dedent("""\
-            @article{kaddour2026tpo,
-                title        = {{Target Policy Optimization}},
-                author       = {Jean Kaddour},
-                year         = 2026,
-                eprint       = {arXiv:2604.06159},
-            }"""),
-    },
-}
+    from trl_isopo import ISOPOTrainer, TPOTrainer
+
+    classes = {"grpo": GRPOTrainer, "isopo": ISOPOTrainer, "tpo": TPOTrainer}
+    if method not in classes:
+        raise ValueError(f"Unknown method {method!r}; expected one of {sorted(classes)}.")
+    return classes[method]
+
+
+def method_tags(method: str) -> list[str]:
+    """Hub tags: `trl`, `trl-isopo` and the trainer's own `_tag_names` (the single source of truth)."""
+    return list(dict.fromkeys(["trl", "trl-isopo", *_trainer_class(method)._tag_names]))
 
 
 def method_paper(method: str) -> dict:
-    """`{"title", "id", "citation"}` of a method's paper (GRPO: TRL's own `GRPOTrainer._paper`)."""
-    if method == "grpo":
-        from trl import GRPOTrainer
-
-        return GRPOTrainer._paper
-    return METHOD_PAPERS[method]
+    """`{"title", "id", "citation"}` of a method's paper: the trainer's own `_paper`."""
+    return _trainer_class(method)._paper
 
 
 def format_command(argv: Sequence[str] | None = None, prog: str = "trl-isopo train") -> str:
@@ -102,13 +81,12 @@ def attach_model_card(
     trainer, method: str, command: str, recipe_text: str | None = None, description: str | None = None
 ):
     """Make every `trainer.create_model_card(...)` call add tags, citation and training command (see module doc)."""
-    if method not in METHOD_TAGS:
-        raise ValueError(f"Unknown method {method!r}; expected one of {sorted(METHOD_TAGS)}.")
+    tags_for_method = method_tags(method)
     original = trainer.create_model_card
 
     def create_model_card(model_name=None, dataset_name=None, tags=None, **kwargs):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
-        tags += [t for t in METHOD_TAGS[method] if t not in tags]
+        tags += [t for t in tags_for_method if t not in tags]
         result = original(model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs)
         path = os.path.join(trainer.args.output_dir, "README.md")
         if trainer.is_world_process_zero() and os.path.exists(path):
@@ -121,5 +99,5 @@ def attach_model_card(
     trainer.create_model_card = create_model_card
     # The model's own tags (used by `model.push_to_hub` and kept in the saved config's metadata).
     if hasattr(trainer.model, "add_model_tags"):
-        trainer.model.add_model_tags(METHOD_TAGS[method])
+        trainer.model.add_model_tags(tags_for_method)
     return trainer

@@ -139,3 +139,19 @@ def tiny_reward(completions, **kwargs) -> list[float]:
         match = sum(t == g for t, g in zip(tokens, "a b c d".split())) / 4
         rewards.append(0.5 * frac_a + 0.5 * match)
     return rewards
+
+
+# Trainer settings for offline CPU runs on the tiny model (tests, examples): no trackers, no checkpoints, fp32.
+TINY_TRAINING_ARGS = dict(
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
+def tiny_training_args(output_dir: str, **overrides) -> dict:
+    """`TINY_TRAINING_ARGS` plus `output_dir` and overrides, as keyword arguments for a GRPOConfig subclass."""
+    return {**TINY_TRAINING_ARGS, "output_dir": str(output_dir), **overrides}

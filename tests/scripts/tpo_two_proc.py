@@ -53,7 +53,7 @@ def run(model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_lo
     `on_loss(trainer, model, inputs, loss)` is called after every `_compute_loss` (for in-loop oracles).
     """
     from trl_isopo import TPOConfig, TPOTrainer
-    from trl_isopo.tiny import load_tiny_tokenizer, tiny_prompt_dataset, tiny_reward
+    from trl_isopo.tiny import load_tiny_tokenizer, tiny_prompt_dataset, tiny_reward, tiny_training_args
 
     tokenizer = load_tiny_tokenizer(model_dir)
     checks = []
@@ -76,14 +76,8 @@ def run(model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_lo
                 on_loss(self, model, inputs, loss)
             return loss
 
-    kwargs = dict(
-        output_dir=out_dir,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+    kwargs = tiny_training_args(
+        out_dir,
         max_completion_length=8,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=ga,

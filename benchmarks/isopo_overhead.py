@@ -62,7 +62,7 @@ def build(shape: str, vocab: int, seed: int = 0):
     return model, tokenizer, cfg, lora_r
 
 
-def make_trainers(model, tokenizer, outdir):
+def make_trainers(model, tokenizer, outdir, other_params="surrogate"):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -75,7 +75,8 @@ def make_trainers(model, tokenizer, outdir):
     reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
     plain = GRPOTrainer(copy.deepcopy(model), reward, args=GRPOConfig(output_dir=outdir + "/g", **common),
                         train_dataset=ds, processing_class=tokenizer)
-    isopo = ISOPOTrainer(copy.deepcopy(model), reward, args=ISOPOConfig(output_dir=outdir + "/i", **common),
+    isopo = ISOPOTrainer(copy.deepcopy(model), reward,
+                         args=ISOPOConfig(output_dir=outdir + "/i", isopo_other_params=other_params, **common),
                          train_dataset=ds, processing_class=tokenizer)
     for t in (plain, isopo):
         t.model.train()
@@ -129,6 +130,10 @@ def peak_memory(fn) -> float:
     return float(max(sum(s) for s in sizes))
 
 
+def fmt_mib(b: float) -> str:
+    return f"{b / 2**20:.0f}"
+
+
 def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
     """(plain MACs of the step, ISOPO's extra MACs under the routes it picks)."""
     from trl_isopo.isopo.routes import route_costs
@@ -164,19 +169,23 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--other-params", default="surrogate", choices=["surrogate", "advantage_weighted"],
+                    help="surrogate (default): LM head / norms get the same gradient code as GRPO, so the ratio "
+                    "isolates the covered layers; advantage_weighted: the trainer's default (its own fused head)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from trl_isopo.isopo.linear import ISOPOSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
-          f"B={args.batch} T={args.seq} vocab={args.vocab}, {args.repeats} interleaved repeats (median ratio)")
-    print("| shape | variant | GRPO ms | ISOPO ms | time ratio | analytic floor | overhead / floor | peak mem ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"B={args.batch} T={args.seq} vocab={args.vocab}, isopo_other_params={args.other_params}, "
+          f"{args.repeats} interleaved repeats (median ratio)")
+    print("| shape | variant | GRPO ms | ISOPO ms | time ratio | analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         model, tokenizer, cfg, lora_r = build(shape, args.vocab)
         with tempfile.TemporaryDirectory() as tmp:
-            plain, isopo = make_trainers(model, tokenizer, tmp)
+            plain, isopo = make_trainers(model, tokenizer, tmp, args.other_params)
             batch = make_batch(args.batch, args.seq, cfg.vocab_size, device)
             base = isopo.isopo_context.settings
             runs = {"grpo": step_fn(plain, batch, False)}
@@ -204,9 +213,10 @@ def main(argv=None):
                 floor = extra / plain_macs
                 ratio = statistics.median(ratios)
                 mem_ratio = f"{mem[v] / mem['grpo']:.3f}" if mem else "-"
+                mem_abs = f"{fmt_mib(mem['grpo'])} / {fmt_mib(mem[v])}" if mem else "-"
                 print(f"| {shape} | {v} | {1e3 * statistics.median(times['grpo']):.1f} | "
                       f"{1e3 * statistics.median(times[v]):.1f} | {ratio:.3f} | {1 + floor:.3f} | "
-                      f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_ratio} |", flush=True)
+                      f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_abs} | {mem_ratio} |", flush=True)
         del model, plain, isopo
     return 0
 

@@ -54,7 +54,7 @@ class ISOPOConfig(GRPOConfig):
             How per-sequence statistics are computed: `"gram"` (token Gram matrices), `"mat"` (materialized
             per-sequence gradients, chunked) or `"auto"` (cheaper in FLOPs per layer and shape). Results agree to
             float rounding.
-        isopo_chunk_mb (`float`, *optional*, defaults to `128`):
+        isopo_chunk_mb (`float`, *optional*, defaults to `256`):
             Memory budget (MiB) for any intermediate of the statistics (Gram row blocks, per-sequence gradients).
         loss_type (`str`, *optional*, defaults to `"bnpo"`):
             Selects only the normalization of the advantage-free surrogate: one of "bnpo" (token mean over the
@@ -92,7 +92,7 @@ class ISOPOConfig(GRPOConfig):
         metadata={"help": "Statistics route: gram, mat or auto (cheapest per layer).", "choices": list(ROUTES)},
     )
     isopo_chunk_mb: float = field(
-        default=128.0, metadata={"help": "Memory budget (MiB) for any chunked intermediate of the statistics."}
+        default=256.0, metadata={"help": "Memory budget (MiB) for any chunked intermediate of the statistics."}
     )
     loss_type: str = field(
         default="bnpo",

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 import torch
 
 ROUTES = ("auto", "gram", "mat")
-DEFAULT_BUDGET_BYTES = 128 * 2**20
+DEFAULT_BUDGET_BYTES = 256 * 2**20
+# The materialized route is memory-bound: V (B, d_out, d_in) is written once and read twice (norms, final sum). Each
+# float streamed is charged this many multiply-accumulates (about peak MAC rate / float bandwidth of one CPU core;
+# larger on GPUs). With 16, "auto" measured best-or-tied on 896/4864-wide layers at 8 x 256 tokens (docs/isopo.md).
+MAT_MACS_PER_FLOAT = 16
+MAT_PASSES_OVER_V = 3
 
 
 @dataclass
@@ -67,7 +72,7 @@ def route_costs(
     dd = d_in + d_out
     gram = B * L * S * dd if fisher else 0.0
     gram += (B * L) ** 2 * dd / 2 if ntk else B * L * L * dd / 2
-    mat = 2 * B * d_in * d_out
+    mat = (2 + MAT_PASSES_OVER_V * MAT_MACS_PER_FLOAT) * B * d_in * d_out
     mat += B * S * d_in * d_out if fisher else 0.0
     mat += B * B * d_in * d_out if ntk else 0.0
     if B * d_out * (d_in + (S if fisher else 0)) * 4 > budget_bytes:  # V does not fit: one more GEMM at the end
@@ -186,7 +191,8 @@ def _mat(X, G, XJ, GJ, ntk, budget):
     for o0 in range(0, d_out, step):
         o1 = min(d_out, o0 + step)
         V = G[:, :, o0:o1].transpose(1, 2) @ Xt  # (B, c, d_in)
-        e2 += V.pow(2).sum((1, 2))
+        Vf = V.reshape(B, -1)
+        e2 += torch.linalg.vector_norm(Vf, dim=1).square()  # a reduction, no (B, c, d_in) temporary
         if u is not None:
             # u[i, j] += sum_{o in chunk} g_j[o] (V_i a_j)[o]; contract over the smaller of (c, d_in) last.
             if o1 - o0 <= d_in:
@@ -194,7 +200,6 @@ def _mat(X, G, XJ, GJ, ntk, budget):
             else:
                 u += ((GJ[:, o0:o1] @ V) * XJ.unsqueeze(0)).sum(2)
         if K is not None:
-            Vf = V.reshape(B, -1)
             K += Vf @ Vf.T
         if keep:
             V_full = V
@@ -211,7 +216,8 @@ def reweighted_weight_grad(
     """
     w = w.to(X.dtype)
     if stats is not None and stats.V is not None:
-        gw = torch.einsum("b,boi->oi", w, stats.V)
+        B, d_out, d_in = stats.V.shape
+        gw = (w @ stats.V.reshape(B, -1)).reshape(d_out, d_in)  # one pass over V
     else:
         Gw = G * w.view(-1, 1, 1)
         gw = Gw.reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])

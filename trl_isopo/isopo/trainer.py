@@ -159,7 +159,7 @@ class ISOPOTrainer(GRPOTrainer):
                 yield
         finally:
             ctx.active = False
-            ctx.micro_batch = None
+            ctx.clear()
 
     def training_step(self, model, inputs, num_items_in_batch):
         with self.isopo_active():

@@ -1,16 +1,8 @@
-import os
 
 # Offline everywhere: no Hub, no telemetry.
-for _k, _v in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "WANDB_DISABLED": "true",
-}.items():
-    os.environ.setdefault(_k, _v)
+from trl_isopo.tiny import set_offline_env
+
+set_offline_env()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

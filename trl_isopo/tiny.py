@@ -16,6 +16,24 @@ from collections.abc import Sequence
 
 import torch
 
+# Offline everywhere (tests, examples, the lab): no Hub, no telemetry, no trackers.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_DISABLED": "true",
+}
+
+
+def set_offline_env() -> None:
+    """Set `OFFLINE_ENV` (values already in the environment win)."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 DEFAULT_WORDS = ("count", ":") + tuple("abcdefghijklmnop")
 

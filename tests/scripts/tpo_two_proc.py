@@ -9,15 +9,9 @@ import os
 import sys
 import zlib
 
-for _k, _v in {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_k, _v)
+from trl_isopo.tiny import set_offline_env
+
+set_offline_env()
 
 import torch  # noqa: E402
 

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
-OFFLINE_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "TRL_EXPERIMENTAL_SILENCE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "WANDB_DISABLED": "true",
-}
+from ..tiny import set_offline_env
 
 
 def setup_process(threads: int | None) -> None:
     """Offline env vars (kept if already set), torch thread count, and no library progress bars or warnings."""
-    for k, v in OFFLINE_ENV.items():
-        os.environ.setdefault(k, v)
+    set_offline_env()
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -204,8 +204,9 @@ class ISOPOTrainer(GRPOTrainer):
         """The advantage-free surrogate -sum(log pi), normalized like `loss_type`, through GRPO's own loss code.
 
         With advantages = 1 and pi_old = sg(pi) GRPO's clipped surrogate has ratio 1 and gradient exactly
-        grad(-sum log pi) / normalizer, so GRPO's forward, masks (tool, truncation), vLLM IS weights and normalization
-        are reused unchanged; the real advantages reach the covered layers through the micro-batch context.
+        grad(-sum log pi) / normalizer, so GRPO's forward, masks (tool, truncation) and normalization are reused
+        unchanged (vLLM's IS correction is rejected by ISOPOConfig); the real advantages reach the covered layers
+        through the micro-batch context.
         """
         mode = "train" if self.model.training else "eval"
         advantages = torch.nan_to_num(inputs["advantages"].detach().float(), nan=0.0)

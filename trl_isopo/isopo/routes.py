@@ -209,7 +209,7 @@ def _mat(X, G, XJ, GJ, ntk, budget):
 def reweighted_weight_grad(
     X: torch.Tensor, G: torch.Tensor, w: torch.Tensor, stats: SequenceStats | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_i w_i V_i, sum_i w_i b_i): the layer's weight and bias gradients, shapes (d_out, d_in), (d_out,).
+    """(sum_i w_i V_i, sum_i w_i b_i): the layer's weight and bias gradients, shapes (d_out, d_in), (d_out,) or None.
 
     Uses the materialized V when the "mat" route kept it (B d_in d_out MACs), else one GEMM of the row-scaled output
     gradients, (w_seq(t) g_t)^T a_t, in place of autograd's weight-gradient GEMM.
@@ -218,11 +218,12 @@ def reweighted_weight_grad(
     if stats is not None and stats.V is not None:
         B, d_out, d_in = stats.V.shape
         gw = (w @ stats.V.reshape(B, -1)).reshape(d_out, d_in)  # one pass over V
+    elif G.shape[-1] <= X.shape[-1]:  # scale the narrower operand's rows: sum_t (w_s(t) g_t) a_t^T
+        gw = (G * w.view(-1, 1, 1)).reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
     else:
-        Gw = G * w.view(-1, 1, 1)
-        gw = Gw.reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
-    if stats is not None and stats.bias_per_seq is not None:
-        gb = w @ stats.bias_per_seq
+        gw = G.reshape(-1, G.shape[-1]).T @ (X * w.view(-1, 1, 1)).reshape(-1, X.shape[-1])
+    if stats is not None:  # the bias gradient only when the statistics were asked for it (no extra pass over G)
+        gb = None if stats.bias_per_seq is None else w @ stats.bias_per_seq
     else:
         gb = (G * w.view(-1, 1, 1)).sum((0, 1))
     return gw, gb

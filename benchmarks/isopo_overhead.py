@@ -150,8 +150,9 @@ def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
     plain += cfg.num_hidden_layers * 3 * 2 * B * T * T * H  # attention scores and values, fwd + bwd
     extra = 0.0
     S = 0 if settings.interacting else min(settings.fisher_tokens or N, N)
+    covered = set(trainer.isopo_coverage["covered"])
     for name, m in trainer.model.named_modules():
-        if name in set(trainer.isopo_coverage["covered"]):
+        if name in covered:
             c = route_costs(B, T, m.in_features, m.out_features, S, settings.needs_fisher, settings.interacting,
                             settings.budget_bytes)
             extra += min(c.gram, c.mat) if settings.route == "auto" else getattr(c, settings.route)

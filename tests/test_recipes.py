@@ -207,20 +207,12 @@ def test_rewards_drive_the_update(recipe, tiny_model_dir, tmp_path):
     assert norms["trl_isopo.tiny.tiny_reward"] > 0.1
 
 
+_SMALL_EVAL = ["--eval_dataset_size", "4", "--per_device_eval_batch_size", "4", "--num_generations_eval", "2"]
+
+
 def test_eval_set_is_disjoint_and_evaluated(tiny_model_dir, tmp_path):
     recipe = "recipes/Qwen3-0.6B/knights_knaves/tpo.yaml"
-    evals = [
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        "1",
-        "--eval_dataset_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "4",
-        "--num_generations_eval",
-        "2",
-    ]
+    evals = ["--eval_strategy", "steps", "--eval_steps", "1", *_SMALL_EVAL]
     trainer = _run(recipe, tiny_model_dir, tmp_path / "ev", *evals)
     train_q = {json.loads(e)["question"] for e in trainer.train_dataset["entry"]}
     eval_entries = [json.loads(e) for e in trainer.eval_dataset["entry"]]
@@ -233,20 +225,7 @@ def test_gsm8k_eval_from_a_separate_file(tiny_model_dir, tmp_path):
 
     held_out = tmp_path / "test.jsonl"
     shutil.copy(FIXTURE, held_out)
-    evals = [
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        "2",
-        "--eval_dataset_name",
-        str(held_out),
-        "--eval_dataset_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "4",
-        "--num_generations_eval",
-        "2",
-    ]
+    evals = ["--eval_strategy", "steps", "--eval_steps", "2", "--eval_dataset_name", str(held_out), *_SMALL_EVAL]
     trainer = _run("recipes/Qwen3-1.7B/gsm8k/grpo.yaml", tiny_model_dir, tmp_path / "ev", *evals)
     assert list(trainer.eval_dataset["answer"]) == ["12", "1500", "13", "2.25"]
     assert len([h for h in trainer.state.log_history if "eval_reward" in h]) == 1

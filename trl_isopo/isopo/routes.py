@@ -187,10 +187,9 @@ def _mat(X, G, XJ, GJ, ntk, budget):
     u = X.new_zeros(B, XJ.shape[0]) if XJ is not None else None
     K = X.new_zeros(B, B) if ntk else None
     V_full = None
-    Xt = X  # (B, L, d_in)
     for o0 in range(0, d_out, step):
         o1 = min(d_out, o0 + step)
-        V = G[:, :, o0:o1].transpose(1, 2) @ Xt  # (B, c, d_in)
+        V = G[:, :, o0:o1].transpose(1, 2) @ X  # (B, c, d_in)
         Vf = V.reshape(B, -1)
         e2 += torch.linalg.vector_norm(Vf, dim=1).square()  # a reduction, no (B, c, d_in) temporary
         if u is not None:

@@ -110,7 +110,8 @@ class ISOPOTrainer(GRPOTrainer):
                 "ISOPO found no trainable nn.Linear in the model (other than the LM head). Unfreeze linear layers or "
                 "use a LoRA peft_config."
             )
-        covered_ids = {id(m) for n, m in model.named_modules() if n in set(covered)}
+        covered_modules = [m for n, m in model.named_modules() if n in set(covered)]
+        covered_ids = {id(m) for m in covered_modules}
         others = other_trainable_modules(model, covered_ids, head)
         head_trainable = head is not None and any(p.requires_grad for p in head.parameters())
         mode = self.args.isopo_other_params
@@ -124,7 +125,7 @@ class ISOPOTrainer(GRPOTrainer):
         elif mode == "advantage_weighted":
             install_advantage_weighting(others, self.isopo_context)
         self._isopo_head_weighted = mode == "advantage_weighted" and head_trainable
-        n_cov = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for n, m in model.named_modules() if n in set(covered))
+        n_cov = sum(p.numel() for m in covered_modules for p in m.parameters())
         n_other = sum(p.numel() for _, m in others for p in m.parameters(recurse=False) if p.requires_grad or mode == "frozen")
         n_head = sum(p.numel() for p in head.parameters()) if head_trainable else 0
         coverage = {

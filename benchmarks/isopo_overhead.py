@@ -1,9 +1,16 @@
 """ISOPO overhead vs plain GRPO: policy-loss forward+backward of one micro-batch, same model and batch.
 
 For each shape it builds one GRPOTrainer and one ISOPOTrainer on identical model copies, then times
-`compute_loss(...).backward()` for GRPO and each ISOPO variant, interleaved over repeats (median of per-round
-ratios). It also prints peak memory ratios (CPU: torch profiler memory timeline; CUDA: max_memory_allocated) and the
-analytic floor: the extra multiply-accumulates ISOPO must do under the routes it picks, over the plain step's.
+`compute_loss(...).backward()` for GRPO and each ISOPO variant, interleaved over repeats. Two estimates of the time
+ratio: the median of the per-round ratios, and the ratio of the fastest runs (contention on a shared machine only
+ever slows a run down, so minima are the steadier estimate there); plus the spread of the per-round ratios. It also
+prints peak memory ratios (CPU: torch profiler memory timeline; CUDA: max_memory_allocated) and the analytic floor:
+the extra multiply-accumulates ISOPO must do under the routes it picks, over the plain step's.
+
+On CPU the script re-executes itself with glibc's allocator told to keep freed memory (`--malloc cached`, the
+default): by default every temporary above 32 MiB is a fresh mmap whose pages fault in on first touch, which costs
+GRPO and ISOPO alike and, unlike CUDA's caching allocator, turns allocation into a large and variable part of the
+step. `--malloc system` measures the stock allocator.
 
     python benchmarks/isopo_overhead.py                      # default shapes: small, lora896, full896
     python benchmarks/isopo_overhead.py --shapes full896 --seq 512 --repeats 9 --threads 2
@@ -173,16 +180,24 @@ def main(argv=None):
     ap.add_argument("--other-params", default="surrogate", choices=["surrogate", "advantage_weighted"],
                     help="surrogate (default): LM head / norms get the same gradient code as GRPO, so the ratio "
                     "isolates the covered layers; advantage_weighted: the trainer's default (its own fused head)")
+    ap.add_argument("--malloc", default="cached", choices=["cached", "system"],
+                    help="CPU only: cached (default) re-runs under MALLOC_MMAP_MAX_=0 / MALLOC_TRIM_THRESHOLD_ so that "
+                    "freed memory is reused as CUDA's caching allocator would; system: the stock glibc allocator")
     args = ap.parse_args(argv)
+    if args.malloc == "cached" and not torch.cuda.is_available() and os.environ.get("MALLOC_MMAP_MAX_") != "0":
+        env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(2**46))
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
+                  env)
     torch.set_num_threads(args.threads)
     from trl_isopo.isopo.linear import ISOPOSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
           f"B={args.batch} T={args.seq} vocab={args.vocab}, isopo_other_params={args.other_params}, "
-          f"{args.repeats} interleaved repeats (median ratio)")
-    print("| shape | variant | GRPO ms | ISOPO ms | time ratio | analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{args.repeats} interleaved repeats, malloc {args.malloc if device == 'cpu' else 'cuda caching'}")
+    print("| shape | variant | GRPO ms (min) | ISOPO ms (min) | ratio of minima | median ratio [quartiles] "
+          "| analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         model, tokenizer, cfg, lora_r = build(shape, args.vocab)
         with tempfile.TemporaryDirectory() as tmp:
@@ -209,14 +224,15 @@ def main(argv=None):
                     times[k].append(time.perf_counter() - t0)
             mem = {} if args.no_memory else {k: peak_memory(f) for k, f in runs.items()}
             for v in variant_settings:
-                ratios = [a / b for a, b in zip(times[v], times["grpo"])]
+                ratios = sorted(a / b for a, b in zip(times[v], times["grpo"]))
                 plain_macs, extra = analytic(isopo, cfg, args.batch, args.seq, lora_r, variant_settings[v])
                 floor = extra / plain_macs
-                ratio = statistics.median(ratios)
+                ratio = min(times[v]) / min(times["grpo"])
+                q1, q3 = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
                 mem_ratio = f"{mem[v] / mem['grpo']:.3f}" if mem else "-"
                 mem_abs = f"{fmt_mib(mem['grpo'])} / {fmt_mib(mem[v])}" if mem else "-"
-                print(f"| {shape} | {v} | {1e3 * statistics.median(times['grpo']):.1f} | "
-                      f"{1e3 * statistics.median(times[v]):.1f} | {ratio:.3f} | {1 + floor:.3f} | "
+                print(f"| {shape} | {v} | {1e3 * min(times['grpo']):.1f} | {1e3 * min(times[v]):.1f} | {ratio:.3f} | "
+                      f"{statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}] | {1 + floor:.3f} | "
                       f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_abs} | {mem_ratio} |", flush=True)
         del model, plain, isopo
     return 0

@@ -23,7 +23,7 @@ from .reweight import (
     isopo_sequence_weights,
     relative_overlap,
 )
-from .routes import DEFAULT_BUDGET_BYTES, reweighted_weight_grad, sequence_statistics
+from .routes import DEFAULT_BUDGET_BYTES, Scratch, reweighted_weight_grad, sequence_statistics
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class ISOPOContext:
     # The last masked, upcast layer input: q/k/v (and gate/up, and LoRA A's) share one input tensor, so their
     # backward passes reuse one copy instead of making three. Cleared with the micro-batch.
     _input_cache: tuple | None = None
+    scratch: Scratch = field(default_factory=Scratch)
 
     def masked_input(self, x: torch.Tensor, mb: MicroBatch, dt: torch.dtype) -> torch.Tensor:
         key = (x.data_ptr(), x._version, tuple(x.shape), x.dtype, id(mb))
@@ -96,6 +97,7 @@ class ISOPOContext:
     def clear(self) -> None:
         self.micro_batch = None
         self._input_cache = None
+        self.scratch.clear()
 
     def __post_init__(self):
         if self.ema is None:
@@ -127,11 +129,17 @@ class ISOPOContext:
                 "supported: freeze those modules or exclude them from the LoRA target_modules."
             )
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        X = self.masked_input(x, mb, dt)
-        G = torch.where(mb.mask.unsqueeze(-1), g.to(dt), 0.0)
+        # Padding is dropped by zeroing one operand's rows (routes.py): the narrower one, X on a tie (its masked copy
+        # is shared by the layers reading the same input). Autograd's G^T X needs the other finite at padding too.
+        if x.shape[-1] <= g.shape[-1]:
+            X, G = self.masked_input(x, mb, dt), g.to(dt)
+        else:
+            X, G = x.to(dt), torch.where(mb.mask.unsqueeze(-1), g.to(dt), 0.0)
         A = mb.advantages.to(device=X.device, dtype=dt)
         sample = self.fisher_sample(name, mb) if s.needs_fisher else None
-        stats = sequence_statistics(X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias)
+        stats = sequence_statistics(
+            X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mb.mask, self.scratch
+        )
         e = stats.e2.clamp_min(0).sqrt()
         live = stats.e2 > 0  # sequences with a nonzero gradient in this layer (metrics ignore the others)
         metrics = self.metrics

@@ -167,6 +167,72 @@ def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
     return plain, extra
 
 
+def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
+    """Per covered-layer shape: autograd's weight (+ bias) gradient vs ISOPO's `layer_grads` on the same random
+    inputs and padding mask, alternated `repeats` times (sub-second runs, so minima are steady on a noisy machine).
+
+    Returns table rows and, per variant, (sum of extra ms over all covered layers, sum of floor ms): the floor of a
+    layer is its route's extra MACs at the rate (MACs / ms) of that layer's own weight-gradient GEMM.
+    """
+    from collections import Counter
+
+    from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
+    from trl_isopo.isopo.routes import route_costs
+
+    covered = set(trainer.isopo_coverage["covered"])
+    shapes = Counter((m.in_features, m.out_features, m.bias is not None)
+                     for n, m in trainer.model.named_modules() if n in covered)
+    B, L = mask.shape
+    mb = MicroBatch(mask=mask.bool(), advantages=torch.randn(B, generator=torch.Generator().manual_seed(1)))
+    rows, totals = [], {v: [0.0, 0.0] for v in variant_settings}
+    for (d_in, d_out, bias), count in sorted(shapes.items()):
+        g = torch.Generator().manual_seed(d_in * 7 + d_out)
+        x = torch.randn(B, L, d_in, generator=g).to(mask.device)
+        gr = torch.randn(B, L, d_out, generator=g).to(mask.device) * mask.unsqueeze(-1)  # autograd's G: 0 at padding
+
+        def plain(x=x, gr=gr, bias=bias):
+            gw = gr.reshape(-1, gr.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+            return gw, (gr.sum((0, 1)) if bias else None)
+
+        runs = {"plain": plain}
+        for v, st in variant_settings.items():
+            ctx = ISOPOContext(st)
+
+            def run(ctx=ctx, x=x, gr=gr, bias=bias):
+                out = ctx.layer_grads("layer", x, gr, mb, bias)
+                ctx.clear()
+                return out
+
+            runs[v] = run
+        for f in runs.values():
+            f()
+        times = {k: [] for k in runs}
+        for _ in range(repeats):
+            for k, f in runs.items():
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                f()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times[k].append(1e3 * (time.perf_counter() - t0))
+        base = min(times["plain"])
+        rate = B * L * d_in * d_out / base
+        for v, st in variant_settings.items():
+            S = min(st.fisher_tokens or B * L, int(mask.sum())) if st.needs_fisher else 0
+            c = route_costs(B, L, d_in, d_out, S, st.needs_fisher, st.interacting, st.budget_bytes)
+            floor_ms = min(c.gram, c.mat) / rate
+            extra = min(times[v]) - base
+            totals[v][0] += count * extra
+            totals[v][1] += count * floor_ms
+            rows.append(f"| {d_in}->{d_out}{'+b' if bias else ''} x{count} | {v} ({c.best}) | {base:.1f} | {min(times[v]):.1f} | "
+                        f"{extra:.1f} | {floor_ms:.1f} | {extra / floor_ms:.2f} |")
+    for v, (extra, floor_ms) in totals.items():
+        rows.append(f"| all covered layers | {v} | | | {extra:.0f} | {floor_ms:.0f} | {extra / floor_ms:.2f} |"
+                    f" implied step ratio {1 + extra / step_ms:.3f} (floor {1 + floor_ms / step_ms:.3f}) |")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="small,lora896,full896")
@@ -177,6 +243,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--layer-repeats", type=int, default=15,
+                    help="rounds of the per-layer breakdown (0: skip it)")
     ap.add_argument("--other-params", default="surrogate", choices=["surrogate", "advantage_weighted"],
                     help="surrogate (default): LM head / norms get the same gradient code as GRPO, so the ratio "
                     "isolates the covered layers; advantage_weighted: the trainer's default (its own fused head)")
@@ -198,6 +266,7 @@ def main(argv=None):
     print("| shape | variant | GRPO ms (min) | ISOPO ms (min) | ratio of minima | median ratio [quartiles] "
           "| analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    breakdown = []
     for shape in args.shapes.split(","):
         model, tokenizer, cfg, lora_r = build(shape, args.vocab)
         with tempfile.TemporaryDirectory() as tmp:
@@ -234,7 +303,18 @@ def main(argv=None):
                 print(f"| {shape} | {v} | {1e3 * min(times['grpo']):.1f} | {1e3 * min(times[v]):.1f} | {ratio:.3f} | "
                       f"{statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}] | {1 + floor:.3f} | "
                       f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_abs} | {mem_ratio} |", flush=True)
+            if args.layer_repeats > 0:
+                mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+                breakdown += [f"| {shape} {r[2:]}" for r in
+                              layer_breakdown(isopo, mask, variant_settings, args.layer_repeats,
+                                              1e3 * min(times["grpo"]))]
         del model, plain, isopo
+    if breakdown:
+        print("\n# per covered-layer shape: autograd weight(+bias) gradient vs ISOPO layer_grads, min of "
+              f"{args.layer_repeats} alternated runs; floor = route extra MACs at that layer's own GEMM rate")
+        print("| shape | layer | variant (route) | plain ms | ISOPO ms | extra ms | floor ms | extra / floor |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(breakdown))
     return 0
 
 

@@ -1,0 +1,21 @@
+"""The overhead benchmark runs end to end on its smallest shape (numbers are not checked: timing is not a test)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_isopo_overhead_benchmark_smoke():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "isopo_overhead.py"), "--shapes", "small", "--repeats", "1",
+           "--layer-repeats", "1", "--no-memory", "--vocab", "64", "--seq", "32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "malloc cached" in lines[0]  # re-executed under the caching malloc on CPU
+    for variant in ("p=-1", "q=-1", "interacting"):
+        assert any(line.startswith(f"| small | {variant} |") for line in lines), out.stdout
+        assert any(f"| small all covered layers | {variant} |" in line and "implied step ratio" in line
+                   for line in lines), out.stdout

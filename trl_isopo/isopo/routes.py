@@ -3,7 +3,8 @@
 For y = x W^T (+ b) and one micro-batch in padded layout, X: (B, L, d_in) layer inputs and G: (B, L, d_out) output
 gradients of the advantage-free surrogate. At every invalid (padding) position one of the two rows is zero and the
 other finite, so only one operand needs a masked copy (the caller masks the narrower one); every product below then
-drops padding exactly, as autograd's own weight gradient G^T X does. Sequence i's weight gradient is V_i = G_i^T X_i. Every quantity ISOPO needs follows from two exact identities (`isopo-spec.md` §3.2):
+drops padding exactly, as autograd's own weight gradient G^T X does. Sequence i's weight gradient is V_i = G_i^T X_i.
+Every quantity ISOPO needs follows from exact identities (`isopo-spec.md` §3.2):
 
 - e_i^2 = ||V_i||^2 = sum_{t,t' in i} (g_t . g_t')(a_t . a_t')                      (diagonal Gram blocks)
 - u_i[j] = g_j^T V_i a_j = sum_{t in i} (g_j . g_t)(a_j . a_t)   for j in the Fisher sample J
@@ -38,7 +39,7 @@ TRI_ROWS = 64
 # GEMMs against the Fisher sample run far slower for sample sizes that are not a multiple of 8 (CPU, measured:
 # (2048 x 4864) @ (4864 x S) takes 123 ms at S = 250 and 88 ms at S = 256), so the sample is zero-padded to one.
 SAMPLE_MULTIPLE = 8
-ROW_GRAM_BLOCK = 65536
+ROW_GRAM_BLOCK = 65536  # columns per block of the V V^T sum (`_row_gram`)
 
 
 @dataclass

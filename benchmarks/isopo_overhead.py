@@ -167,6 +167,23 @@ def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
     return plain, extra
 
 
+def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each run: one warm-up call each, then `repeats` rounds calling every run once in turn."""
+    for f in runs.values():
+        f()
+    times = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, f in runs.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
     """Per covered-layer shape: autograd's weight (+ bias) gradient vs ISOPO's `layer_grads` on the same random
     inputs and padding mask, alternated `repeats` times (sub-second runs, so minima are steady on a noisy machine).
@@ -204,18 +221,7 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
                 return out
 
             runs[v] = run
-        for f in runs.values():
-            f()
-        times = {k: [] for k in runs}
-        for _ in range(repeats):
-            for k, f in runs.items():
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                f()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                times[k].append(1e3 * (time.perf_counter() - t0))
+        times = {k: [1e3 * t for t in ts] for k, ts in interleaved_times(runs, repeats).items()}
         base = min(times["plain"])
         rate = B * L * d_in * d_out / base
         for v, st in variant_settings.items():
@@ -283,14 +289,7 @@ def main(argv=None):
                     f()
 
                 runs[v] = run_v
-            for f in runs.values():  # warm-up
-                f()
-            times = {k: [] for k in runs}
-            for _ in range(args.repeats):
-                for k, f in runs.items():
-                    t0 = time.perf_counter()
-                    f()
-                    times[k].append(time.perf_counter() - t0)
+            times = interleaved_times(runs, args.repeats)
             mem = {} if args.no_memory else {k: peak_memory(f) for k, f in runs.items()}
             for v in variant_settings:
                 ratios = sorted(a / b for a, b in zip(times[v], times["grpo"]))

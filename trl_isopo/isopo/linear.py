@@ -81,8 +81,8 @@ class ISOPOContext:
     sample_override: dict | None = None
     weight_override: object = None
     metrics: dict = field(default_factory=lambda: defaultdict(list))
-    # The last masked, upcast layer input: q/k/v (and gate/up, and LoRA A's) share one input tensor, so their
-    # backward passes reuse one copy instead of making three. Cleared with the micro-batch.
+    # The last masked, upcast layer input (masked only where X is the narrower operand): layers that read the same
+    # input, e.g. gate/up, reuse one copy. Cleared with the micro-batch.
     _input_cache: tuple | None = None
     scratch: Scratch = field(default_factory=Scratch)
 

@@ -22,6 +22,7 @@ with each other and with brute-force per-sequence autograd).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +103,7 @@ class Scratch:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def get(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         buf = self._buffers.get(slot)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
             buf = torch.empty(n, dtype=dtype, device=device)
@@ -257,11 +256,8 @@ def _mat(X, G, XJ, GJ, ntk, budget, scratch=None):
     V_full = None
     for o0 in range(0, d_out, step):
         o1 = min(d_out, o0 + step)
-        Gc = G[:, :, o0:o1].transpose(1, 2)
-        if scratch is None:
-            V = Gc @ X  # (B, c, d_in)
-        else:
-            V = torch.bmm(Gc, X, out=scratch.get("V", (B, o1 - o0, d_in), X.dtype, X.device))
+        out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), X.dtype, X.device)
+        V = torch.bmm(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
         Vf = V.reshape(B, -1)
         if K is None:  # with K, e^2 = diag K (no extra pass over V)
             e2 += torch.linalg.vector_norm(Vf, dim=1).square()  # a reduction, no (B, c, d_in) temporary

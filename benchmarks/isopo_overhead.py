@@ -106,16 +106,27 @@ def make_batch(B, T, vocab, device, seed=0):
     }
 
 
-def step_fn(trainer, inputs, isopo: bool):
+def step_fn(trainer, inputs, isopo: bool, end_step_ms: list | None = None):
+    """One micro-batch's loss forward + backward; for ISOPO also its once-per-step reductions (EMA fold, metrics),
+    as with gradient accumulation 1, the most frequent they can be. Their time is also appended to `end_step_ms`."""
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def run():
         trainer.model.zero_grad(set_to_none=True)
         if isopo:
             with trainer.isopo_active():
                 trainer.compute_loss(trainer.model, inputs).backward()
+            sync()
+            t0 = time.perf_counter()
+            trainer._isopo_end_step()
+            if end_step_ms is not None:
+                end_step_ms.append(1e3 * (time.perf_counter() - t0))
         else:
             trainer.compute_loss(trainer.model, inputs).backward()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
 
     return run
 
@@ -161,7 +172,7 @@ def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
     for name, m in trainer.model.named_modules():
         if name in covered:
             c = route_costs(B, T, m.in_features, m.out_features, S, settings.needs_fisher, settings.interacting,
-                            settings.budget_bytes)
+                            settings.budget_bytes, euclidean=settings.needs_euclidean)
             extra += min(c.gram, c.mat) if settings.route == "auto" else getattr(c, settings.route)
     # The advantage-weighted LM head (RowScaledChunkedLogProb) does the same tile work as TRL's kernel: no extra.
     return plain, extra
@@ -184,13 +195,15 @@ def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
+def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_ms=None):
     """Per covered-layer shape: autograd's weight (+ bias) gradient vs ISOPO's `layer_grads` on the same random
     inputs and padding mask, alternated `repeats` times (sub-second runs, so minima are steady on a noisy machine).
 
     Returns table rows and, per variant, (sum of extra ms over all covered layers, sum of floor ms): the floor of a
-    layer is its route's extra MACs at the rate (MACs / ms) of that layer's own weight-gradient GEMM.
+    layer is its route's extra MACs at the rate (MACs / ms) of that layer's own weight-gradient GEMM. The implied
+    step ratio adds `end_step_ms[variant]`, the measured once-per-step reductions (EMA fold, metrics).
     """
+    end_step_ms = end_step_ms or {}
     from collections import Counter
 
     from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
@@ -214,10 +227,12 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
         runs = {"plain": plain}
         for v, st in variant_settings.items():
             ctx = ISOPOContext(st)
+            ctx.ema.ema = {f"layer/{k}": 1.0 for k in ("e", "f", "rho", "ntk")}  # steady state: EMA history exists
 
             def run(ctx=ctx, x=x, gr=gr, bias=bias):
                 out = ctx.layer_grads("layer", x, gr, mb, bias)
                 ctx.clear()
+                ctx.records.clear(), ctx.lambdas.clear(), ctx.ema.discard_step()  # per-step work: timed end-to-end
                 return out
 
             runs[v] = run
@@ -226,7 +241,8 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
         rate = B * L * d_in * d_out / base
         for v, st in variant_settings.items():
             S = min(st.fisher_tokens or B * L, int(mask.sum())) if st.needs_fisher else 0
-            c = route_costs(B, L, d_in, d_out, S, st.needs_fisher, st.interacting, st.budget_bytes)
+            c = route_costs(B, L, d_in, d_out, S, st.needs_fisher, st.interacting, st.budget_bytes,
+                            euclidean=st.needs_euclidean)
             floor_ms = min(c.gram, c.mat) / rate
             extra = min(times[v]) - base
             totals[v][0] += count * extra
@@ -234,8 +250,10 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms):
             rows.append(f"| {d_in}->{d_out}{'+b' if bias else ''} x{count} | {v} ({c.best}) | {base:.1f} | {min(times[v]):.1f} | "
                         f"{extra:.1f} | {floor_ms:.1f} | {extra / floor_ms:.2f} |")
     for v, (extra, floor_ms) in totals.items():
-        rows.append(f"| all covered layers | {v} | | | {extra:.0f} | {floor_ms:.0f} | {extra / floor_ms:.2f} |"
-                    f" implied step ratio {1 + extra / step_ms:.3f} (floor {1 + floor_ms / step_ms:.3f}) |")
+        extra += end_step_ms.get(v, 0.0)
+        rows.append(f"| all covered layers | {v} | | | {extra:.0f} | {floor_ms:.0f} | {extra / floor_ms:.2f} | "
+                    f"implied step ratio {1 + extra / step_ms:.3f} (floor {1 + floor_ms / step_ms:.3f}; includes "
+                    f"{end_step_ms.get(v, 0.0):.1f} ms end of step) |")
     return rows
 
 
@@ -280,11 +298,12 @@ def main(argv=None):
             batch = make_batch(args.batch, args.seq, cfg.vocab_size, device)
             base = isopo.isopo_context.settings
             runs = {"grpo": step_fn(plain, batch, False)}
-            variant_settings = {}
+            variant_settings, end_step_ms = {}, {}
             for v in args.variants.split(","):
                 variant_settings[v] = ISOPOSettings(**{**base.__dict__, **VARIANTS[v]})
+                end_step_ms[v] = []
 
-                def run_v(s=variant_settings[v], f=step_fn(isopo, batch, True)):
+                def run_v(s=variant_settings[v], f=step_fn(isopo, batch, True, end_step_ms[v])):
                     isopo.isopo_context.settings = s
                     f()
 
@@ -306,7 +325,8 @@ def main(argv=None):
                 mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
                 breakdown += [f"| {shape} {r[2:]}" for r in
                               layer_breakdown(isopo, mask, variant_settings, args.layer_repeats,
-                                              1e3 * min(times["grpo"]))]
+                                              1e3 * min(times["grpo"]),
+                                              {v: min(ts) for v, ts in end_step_ms.items() if ts})]
         del model, plain, isopo
     if breakdown:
         print("\n# per covered-layer shape: autograd weight(+bias) gradient vs ISOPO layer_grads, min of "

@@ -79,8 +79,7 @@ def test_isopo_matches_oracle(setup, knobs, sample_mode, route):
     finally:
         ctx.sample_override = None
         ctx.ema.ema = {}
-        ctx.ema._sum.clear()
-        ctx.ema._count.clear()
+        ctx.ema.discard_step()
     for n in covered:
         want = torch.einsum("b,boi->oi", expected[n], data["V"][n])
         assert rel_err(got[f"{n}.weight"], want) < TOL, n
@@ -151,8 +150,7 @@ def test_interacting_matches_dense_solve(setup):
             got = isopo_grads(trainer, inputs)
         finally:
             ctx.ema.ema = {}
-            ctx.ema._sum.clear()
-            ctx.ema._count.clear()
+            ctx.ema.discard_step()
             set_settings(trainer, interacting=False, route="auto")
         for n in covered:
             V = data["V"][n]

@@ -54,10 +54,12 @@ def run(tiny_model_dir, tiny_tokenizer, args, **kw):
 def test_train_changes_parameters_and_logs_metrics(tiny_model_dir, tiny_tokenizer, tmp_path, variant):
     trainer, before, changed = run(tiny_model_dir, tiny_tokenizer, config(tmp_path, **variant))
     assert changed == set(before)  # every trainable parameter moved
-    logs = [h for h in trainer.state.log_history if "isopo/euclidean_norm" in h]
+    logs = [h for h in trainer.state.log_history if "isopo/scale_mean" in h]
     assert len(logs) == 3
-    for key in ("policy_loss", "entropy", "isopo/scale_mean", "isopo/scale_std", "reward"):
+    for key in ("policy_loss", "entropy", "isopo/scale_std", "reward"):
         assert all(key in h for h in logs), key
+    p_only = not variant.get("isopo_interacting") and variant.get("isopo_q", 0.0) == 0 and variant.get("isopo_r", 0.0) == 0
+    assert all(("isopo/euclidean_norm" in h) != p_only for h in logs)  # e is not computed for p alone
     if variant.get("isopo_interacting"):
         assert all("isopo/ntk_lambda" in h for h in logs)
     elif variant.get("isopo_p", -1.0) != 0 or variant.get("isopo_r", 0.0) != 0:
@@ -75,7 +77,7 @@ def test_train_lora_and_gradient_checkpointing(tiny_model_dir, tiny_tokenizer, t
     # lora_B starts at 0 (so lora_A's gradient is 0 at step 0); after 3 steps both have moved.
     assert any("lora_B" in n for n in changed) and any("lora_A" in n for n in changed)
     assert trainer.isopo_coverage["isopo_layers"] == 8 and trainer.isopo_coverage["other_params"] == 0
-    assert "isopo/euclidean_norm" in trainer.state.log_history[0]
+    assert "isopo/scale_mean" in trainer.state.log_history[0]
 
 
 def test_ema_folds_once_per_optimizer_step(tiny_model_dir, tiny_tokenizer, tmp_path):
@@ -105,6 +107,29 @@ def test_bad_data_nan_rewards_and_empty_completions(tiny_model_dir, tiny_tokeniz
     trainer.train()
     assert calls["n"] > 0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, tiny_tokenizer, tmp_path, caplog):
+    """An overflowing coefficient (forced here: +inf for sequence 0 of one layer) drops that sequence from that
+    layer only: parameters stay finite and move, the step warns with the count."""
+    import logging
+
+    args = config(tmp_path, max_steps=2)
+    trainer = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer
+    )
+    target = trainer.isopo_coverage["covered"][0]
+    trainer.isopo_context.weight_override = lambda name, A: torch.where(
+        (torch.arange(A.numel()) == 0) & (name == target), torch.inf, A
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with caplog.at_level(logging.WARNING, logger="trl_isopo.isopo.trainer"):
+        trainer.train()
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if n in before)
+    # per step: 2 micro-batches (gradient_accumulation_steps=2), one dropped coefficient each
+    warned = [r.getMessage() for r in caplog.records if "non-finite per-sequence coefficients" in r.getMessage()]
+    assert len(warned) == 2 and all(": 2 non-finite" in m for m in warned), warned
 
 
 @pytest.mark.parametrize(

@@ -27,9 +27,8 @@ class EMAStatistics:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         self.decay = decay
         self.ema: dict[str, float] = {}
-        # Step accumulators stay tensors (no host sync inside the backward); converted once in `end_step`.
-        self._sum: dict[str, torch.Tensor] = {}
-        self._count: dict[str, float] = {}
+        # This step's values, reduced once in `end_step`: the backward only appends (no tensor ops, no host sync).
+        self._pending: list[tuple[str, torch.Tensor]] = []
         self.skipped = 0
 
     @staticmethod
@@ -43,17 +42,30 @@ class EMAStatistics:
 
     def accumulate(self, layer: str, stat: str, values: torch.Tensor) -> None:
         """Add the (B,) values of one micro-batch (x^2 per sequence, or one value per micro-batch)."""
-        k = self.key(layer, stat)
-        total = values.detach().double().sum()
-        self._sum[k] = total if k not in self._sum else self._sum[k] + total
-        self._count[k] = self._count.get(k, 0.0) + float(values.numel())
+        self._pending.append((self.key(layer, stat), values.detach().reshape(-1)))
+
+    def step_sums(self) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """(sorted keys, float64 sums, float64 counts) of this step's accumulated values, one segment sum for all."""
+        keys = sorted({k for k, _ in self._pending})
+        if not keys:
+            return [], torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
+        slot = {k: i for i, k in enumerate(keys)}
+        sizes = torch.tensor([v.numel() for _, v in self._pending])
+        ids = torch.repeat_interleave(torch.tensor([slot[k] for k, _ in self._pending]), sizes)
+        values = torch.cat([v for _, v in self._pending]).to("cpu", torch.float64)
+        sums = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, ids, values)
+        counts = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, ids, torch.ones_like(values))
+        return keys, sums, counts
+
+    def discard_step(self) -> None:
+        """Drop this step's accumulated values without folding them."""
+        self._pending.clear()
 
     def end_step(self, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, world_size: int = 1) -> None:
         """Fold this step's means into the EMA. `all_reduce` sums a float64 tensor over the `world_size` processes
         (same key order on every rank: keys are sorted; their number is reduced too and checked)."""
-        keys = sorted(self._sum)
-        sums = torch.tensor([float(self._sum[k]) for k in keys] + [float(len(keys))], dtype=torch.float64)
-        counts = torch.tensor([self._count[k] for k in keys], dtype=torch.float64)
+        keys, sums, counts = self.step_sums()
+        sums = torch.cat([sums, torch.tensor([float(len(keys))], dtype=torch.float64)])
         if all_reduce is not None:
             both = all_reduce(torch.cat([sums, counts]))
             n = len(keys)
@@ -69,8 +81,7 @@ class EMAStatistics:
                 continue
             old = self.ema.get(k)
             self.ema[k] = cur if old is None else self.decay * old + (1.0 - self.decay) * cur
-        self._sum.clear()
-        self._count.clear()
+        self._pending.clear()
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "ema": dict(self.ema)}
@@ -78,5 +89,4 @@ class EMAStatistics:
     def load_state_dict(self, state: dict) -> None:
         """Restore the EMA values; the decay stays the configured one (a resumed run may change it on purpose)."""
         self.ema = {str(k): float(v) for k, v in state["ema"].items()}
-        self._sum.clear()
-        self._count.clear()
+        self._pending.clear()

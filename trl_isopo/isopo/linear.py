@@ -46,6 +46,14 @@ class ISOPOSettings:
     def needs_fisher(self) -> bool:
         return not self.interacting and (self.p != 0 or self.r != 0)
 
+    @property
+    def needs_euclidean(self) -> bool:
+        """Whether e_i is computed: the math needs it (q, r, interacting: free as diag K), or no other statistic is.
+
+        Not for p alone (the default): on wide layers (Gram route) e^2 would add ~0.6x the Fisher numerator's work.
+        """
+        return self.interacting or self.q != 0 or self.r != 0 or not self.needs_fisher
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -62,10 +70,25 @@ class MicroBatch:
     seed: int = 0
     logits_to_keep: int = 0
     valid_index: torch.Tensor | None = None  # flat indices of valid positions (computed once, not per layer)
+    # Per-dtype derived tensors (padding mask, cast advantages), made by the first layer that needs them.
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if self.valid_index is None:
             object.__setattr__(self, "valid_index", self.mask.reshape(-1).nonzero().squeeze(1))
+
+    def padding(self) -> torch.Tensor:
+        """(B, L, 1) bool, True at padding positions."""
+        if "padding" not in self._derived:
+            self._derived["padding"] = ~self.mask.unsqueeze(-1)
+        return self._derived["padding"]
+
+    def advantages_as(self, like: torch.Tensor) -> torch.Tensor:
+        """The advantages (B,) on the device and in the dtype of `like`."""
+        key = ("A", like.device, like.dtype)
+        if key not in self._derived:
+            self._derived[key] = self.advantages.to(device=like.device, dtype=like.dtype)
+        return self._derived[key]
 
 
 @dataclass
@@ -80,7 +103,10 @@ class ISOPOContext:
     # Test hooks: a fixed Fisher sample per layer, or weights forced to a value (e.g. all ones).
     sample_override: dict | None = None
     weight_override: object = None
-    metrics: dict = field(default_factory=lambda: defaultdict(list))
+    # Per covered-layer call: one (6, B) record, rows (e, f, rho, scale, A, w), reduced once per step by
+    # `step_metrics` (a statistic not computed repeats another: e = f for p alone; interacting: scale = alpha).
+    records: list = field(default_factory=list)
+    lambdas: list = field(default_factory=list)  # interacting variant: lam per layer call
     # The last masked, upcast layer input (masked only where X is the narrower operand): layers that read the same
     # input, e.g. gate/up, reuse one copy. Cleared with the micro-batch.
     _input_cache: tuple | None = None
@@ -90,7 +116,7 @@ class ISOPOContext:
         key = (x.data_ptr(), x._version, tuple(x.shape), x.dtype, id(mb))
         if self._input_cache is not None and self._input_cache[0] == key:
             return self._input_cache[1]
-        X = torch.where(mb.mask.unsqueeze(-1), x.to(dt), 0.0)  # `where`, not a product: pad rows may hold NaN
+        X = x.to(dt).masked_fill(mb.padding(), 0.0)  # a fill, not a product: pad rows may hold NaN
         self._input_cache = (key, X)
         return X
 
@@ -116,7 +142,7 @@ class ISOPOContext:
         if k <= 0 or k >= valid.numel():
             return valid
         gen = torch.Generator().manual_seed((mb.seed * 1_000_003 + 7919 * self.layer_index.get(name, 0)) % (2**63))
-        return valid[torch.randperm(valid.numel(), generator=gen)[:k].to(valid.device, non_blocking=True)]
+        return valid.index_select(0, torch.randperm(valid.numel(), generator=gen)[:k].to(valid.device, non_blocking=True))
 
     def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
         """ISOPO weight (and bias) gradient of layer `name`. x: (B, L, d_in), g: (B, L, d_out)."""
@@ -134,51 +160,90 @@ class ISOPOContext:
         if x.shape[-1] <= g.shape[-1]:
             X, G = self.masked_input(x, mb, dt), g.to(dt)
         else:
-            X, G = x.to(dt), torch.where(mb.mask.unsqueeze(-1), g.to(dt), 0.0)
-        A = mb.advantages.to(device=X.device, dtype=dt)
+            X, G = x.to(dt), g.to(dt).masked_fill(mb.padding(), 0.0)
+        A = mb.advantages_as(X)
         sample = self.fisher_sample(name, mb) if s.needs_fisher else None
         stats = sequence_statistics(
-            X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mb.mask, self.scratch
+            X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mb.mask, self.scratch,
+            euclidean=s.needs_euclidean,
         )
-        e = stats.e2.clamp_min(0).sqrt()
-        live = stats.e2 > 0  # sequences with a nonzero gradient in this layer (metrics ignore the others)
-        metrics = self.metrics
-        metrics["euclidean_norm"].append(e.mean())  # tensors: no host sync in backward; reduced per step
+        # Few, small tensor ops per layer call: each is a kernel launch (GPU) or ~3 us of dispatch (CPU), paid by
+        # every covered layer; metrics and EMA sums are reduced once per step instead (`step_metrics`, `end_step`).
+        e2 = None if stats.e2 is None else stats.e2.clamp_min(0)
+        e = None if e2 is None else e2.sqrt()
         if s.interacting:
-            mean_eig = stats.e2.mean()  # trace(K) / B
+            mean_eig = e2.mean()  # trace(K) / B
             lam = s.interacting_reg * self.ema.mu(name, "ntk", mean_eig)
             w = interacting_coefficients(stats.ntk, A, lam).to(dt)
-            self.ema.accumulate(name, "ntk", mean_eig.reshape(1))
-            metrics["ntk_lambda"].append(torch.as_tensor(lam, dtype=dt, device=X.device))
-            ratio = w / torch.where(A != 0, A, 1.0)  # alpha_i / A_i; 1 = REINFORCE
-            keep = live & (A != 0)
+            self.ema.accumulate(name, "ntk", mean_eig)
+            self.lambdas.append(lam)
+            f = rho = e  # placeholders in the record (not reported)
+            scale = w
         else:
-            f = fisher_norm(stats.fisher_num, stats.fisher_den) if s.needs_fisher else None
-            rho = relative_overlap(f, e) if s.r != 0 else None
-            used = {"e": (e, s.q), "f": (f, s.p), "rho": (rho, s.r)}
-            mu = {k: self.ema.mu(name, k, v * v) for k, (v, ex) in used.items() if ex != 0}
-            ratio = isopo_sequence_scales(e, f, rho, mu, s.p, s.q, s.r, s.reg)
-            w = isopo_sequence_weights(A, ratio)
-            for k, (v, ex) in used.items():
+            f2 = f = rho = None
+            if s.needs_fisher:
+                f = fisher_norm(stats.fisher_num, stats.fisher_den)
+                f2 = f * f
+            if s.r != 0:
+                rho = relative_overlap(f, e)
+            squares = {"e": (e2, s.q), "f": (f2, s.p), "rho": (None if rho is None else rho * rho, s.r)}
+            mu = {k: self.ema.mu(name, k, v2) for k, (v2, ex) in squares.items() if ex != 0}
+            scale = isopo_sequence_scales(e, f, rho, mu, s.p, s.q, s.r, s.reg)
+            w = isopo_sequence_weights(A, scale)
+            for k, (v2, ex) in squares.items():
                 if ex != 0:
-                    self.ema.accumulate(name, k, v * v)
-            if f is not None:
-                metrics["fisher_norm"].append(f.mean())
-            if rho is not None:
-                metrics["rel_overlap"].append(rho.mean())
-            keep = live
-        n_keep = keep.sum().clamp_min(1)
-        mean = torch.where(keep, ratio, 0.0).sum() / n_keep
-        metrics["scale_mean"].append(mean)
-        metrics["scale_std"].append((torch.where(keep, (ratio - mean) ** 2, 0.0).sum() / n_keep).sqrt())
+                    self.ema.accumulate(name, k, v2)
+            e = f if e is None else e  # p alone: f > 0 marks the sequences with a nonzero layer gradient
+            f = e if f is None else f
+            rho = e if rho is None else rho
         if self.weight_override is not None:
             w = self.weight_override(name, A).to(dt)
+        self.records.append(torch.stack([e, f, rho, scale, A, w]))
         # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
-        finite = torch.isfinite(w)
-        metrics["nonfinite_coefficients"].append((~finite).sum().to(dt))
-        w = torch.where(finite, w, 0.0)
+        w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
         gw, gb = reweighted_weight_grad(X, G, w, stats)
         return gw, (gb if has_bias else None)
+
+    def step_metrics(self) -> dict[str, tuple[float, float]]:
+        """{metric: (sum over layer calls, number of layer calls)} of this step's records; clears them.
+
+        Per layer call: euclidean_norm (when e is computed, see `ISOPOSettings.needs_euclidean`) / fisher_norm /
+        rel_overlap are means over the micro-batch's sequences;
+        scale_mean / scale_std the mean and std of the per-sequence scale (the coefficient over the advantage; 1 =
+        REINFORCE) over sequences with a nonzero layer gradient (and, interacting, a nonzero advantage);
+        nonfinite_coefficients counts dropped coefficients; ntk_lambda is lam (interacting).
+        """
+        s = self.settings
+        out = {}
+        groups = defaultdict(list)
+        for rec in self.records:
+            groups[tuple(rec.shape)].append(rec)
+        for recs in groups.values():
+            e, f, rho, scale, A, w = torch.stack(recs).to("cpu", torch.float64).unbind(1)  # each (n, B)
+            keep = e > 0  # sequences with a nonzero gradient in this layer (f > 0 when e is not computed)
+            if s.interacting:
+                scale = scale / torch.where(A != 0, A, 1.0)  # alpha_i / A_i
+                keep = keep & (A != 0)
+            n_keep = keep.sum(1).clamp_min(1)
+            mean = torch.where(keep, scale, 0.0).sum(1) / n_keep
+            std = (torch.where(keep, (scale - mean.unsqueeze(1)) ** 2, 0.0).sum(1) / n_keep).sqrt()
+            parts = {"scale_mean": mean, "scale_std": std}
+            if s.needs_euclidean:
+                parts["euclidean_norm"] = e.mean(1)
+            if s.needs_fisher:
+                parts["fisher_norm"] = f.mean(1)
+            if not s.interacting and s.r != 0:
+                parts["rel_overlap"] = rho.mean(1)
+            parts["nonfinite_coefficients"] = (~torch.isfinite(w)).sum(1).double()
+            for k, v in parts.items():
+                total, count = out.get(k, (0.0, 0.0))
+                out[k] = (total + float(v.sum()), count + v.numel())
+        if self.lambdas:
+            lam = torch.stack([torch.as_tensor(x, dtype=torch.float64).cpu() for x in self.lambdas])
+            out["ntk_lambda"] = (float(lam.sum()), float(lam.numel()))
+        self.records.clear()
+        self.lambdas.clear()
+        return out
 
 
 class ISOPOLinearFunction(torch.autograd.Function):

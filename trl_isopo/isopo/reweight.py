@@ -62,15 +62,18 @@ def isopo_sequence_scales(
     Returns:
         (B,) scales, in the dtype of the first statistic given.
     """
-    ref = next(t for t in (e, f, rho) if t is not None)
-    denom = torch.ones_like(ref)
+    denom = None
     for name, stat, exponent in (("e", e, q), ("f", f, p), ("rho", rho, r)):
         if exponent == 0:
             continue
         if stat is None:
             raise ValueError(f"statistic {name!r} is required for a nonzero exponent")
-        denom = denom * regularized_magnitude(stat, mu[name], c).pow(-exponent)
-    return 1.0 / (denom + _WEIGHT_EPS)
+        factor = regularized_magnitude(stat, mu[name], c)
+        factor = factor if exponent == -1 else factor.pow(-exponent)  # the common exponent -1 needs no pow
+        denom = factor if denom is None else denom * factor
+    if denom is None:
+        denom = torch.ones_like(next(t for t in (e, f, rho) if t is not None))
+    return (denom + _WEIGHT_EPS).reciprocal_()
 
 
 def isopo_sequence_weights(advantages: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -105,10 +108,11 @@ def interacting_coefficients(ntk: torch.Tensor, advantages: torch.Tensor, lam: t
     Returns:
         (B,) float64 coefficients.
     """
-    K = ntk.to(torch.float64)
-    K = 0.5 * (K + K.T)  # exact symmetry for the eigen-solver
-    A = advantages.to(torch.float64)
-    lam = torch.as_tensor(lam, dtype=torch.float64, device=K.device)
-    D, U = torch.linalg.eigh(K)
-    D = D.clamp_min(0)  # K is PSD; tiny negative eigenvalues are rounding
-    return U @ ((lam / (D + lam + _REG_EPS)) * (U.T @ A))
+    # eigh reads only the lower triangle, so a K that is symmetric up to rounding needs no symmetrizing copy.
+    D, U = torch.linalg.eigh(ntk.to(torch.float64))
+    if isinstance(lam, torch.Tensor):
+        lam = lam.to(torch.float64)
+        coef = lam / (D.clamp_min(0) + lam + _REG_EPS)  # K is PSD; tiny negative eigenvalues are rounding
+    else:
+        coef = D.clamp_min(0).add_(lam + _REG_EPS).reciprocal_().mul_(lam)
+    return U @ (coef * (U.T @ advantages.to(torch.float64)))

@@ -181,17 +181,15 @@ class ISOPOTrainer(GRPOTrainer):
 
         ctx.ema.end_step(reduce, self.accelerator.num_processes)
         names = ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "ntk_lambda")
-        # counts (summed, not averaged): sequences whose coefficient was not finite, EMA folds skipped
-        bad = float(sum(ctx.metrics["nonfinite_coefficients"])) if ctx.metrics["nonfinite_coefficients"] else 0.0
-        local = torch.tensor(
-            [[float(sum(ctx.metrics[n])) if ctx.metrics[n] else 0.0, float(len(ctx.metrics[n]))] for n in names],
-            dtype=torch.float64,
-        )
+        step = ctx.step_metrics()
+        local = torch.tensor([list(step.get(n, (0.0, 0.0))) for n in names], dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             local = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu()
         for n, (total, count) in zip(names, local.tolist()):
             if count > 0:
                 self._metrics["train"][f"isopo/{n}"].append(total / count)
+        # counts (summed, not averaged): sequences whose coefficient was not finite (this process), EMA folds skipped
+        bad = step.get("nonfinite_coefficients", (0.0, 0.0))[0]
         skipped, self._isopo_skipped = ctx.ema.skipped - self._isopo_skipped, ctx.ema.skipped
         if bad:
             logger.warning("ISOPO step %d: %d non-finite per-sequence coefficients dropped (those sequences did not "
@@ -199,7 +197,6 @@ class ISOPOTrainer(GRPOTrainer):
         if skipped:
             logger.info("ISOPO step %d: %d EMA folds skipped (zero or non-finite step statistics).",
                         self.state.global_step, skipped)
-        ctx.metrics.clear()
 
     def _compute_loss(self, model, inputs):
         """The advantage-free surrogate -sum(log pi), normalized like `loss_type`, through GRPO's own loss code.

@@ -1,7 +1,8 @@
 """ISOPO overhead vs plain GRPO: policy-loss forward+backward of one micro-batch, same model and batch.
 
 For each shape it builds one GRPOTrainer and one ISOPOTrainer on identical model copies, then times
-`compute_loss(...).backward()` for GRPO and each ISOPO variant, interleaved over repeats. Two estimates of the time
+`compute_loss(...).backward()` for GRPO and each ISOPO variant (ISOPO: plus its once-per-step reductions, as with
+gradient accumulation 1), interleaved over repeats. Two estimates of the time
 ratio: the median of the per-round ratios, and the ratio of the fastest runs (contention on a shared machine only
 ever slows a run down, so minima are the steadier estimate there); plus the spread of the per-round ratios. It also
 prints peak memory ratios (CPU: torch profiler memory timeline; CUDA: max_memory_allocated) and the analytic floor:

@@ -105,7 +105,7 @@ def route_costs(
 
 
 class Scratch:
-    """Reusable storage for the large per-layer temporaries (materialized V) of one backward pass.
+    """Reusable storage for the large per-layer temporaries (materialized V, Fisher sample rows) of one backward pass.
 
     Every layer of a model asks for buffers of the same few shapes. On CPU each fresh allocation above glibc's mmap
     threshold comes from new pages, and faulting them in costs about as much as the GEMM that fills them (measured:

@@ -107,13 +107,14 @@ def make_batch(B, T, vocab, device, seed=0):
     }
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def step_fn(trainer, inputs, isopo: bool, end_step_ms: list | None = None):
     """One micro-batch's loss forward + backward; for ISOPO also its once-per-step reductions (EMA fold, metrics),
     as with gradient accumulation 1, the most frequent they can be. Their time is also appended to `end_step_ms`."""
-
-    def sync():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
     def run():
         trainer.model.zero_grad(set_to_none=True)
@@ -186,12 +187,10 @@ def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
     times = {k: [] for k in runs}
     for _ in range(repeats):
         for k, f in runs.items():
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             f()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            sync()
             times[k].append(time.perf_counter() - t0)
     return times
 
@@ -233,7 +232,10 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
             def run(ctx=ctx, x=x, gr=gr, bias=bias):
                 out = ctx.layer_grads("layer", x, gr, mb, bias)
                 ctx.clear()
-                ctx.records.clear(), ctx.lambdas.clear(), ctx.ema.discard_step()  # per-step work: timed end-to-end
+                # The per-step reductions are timed end to end (`end_step_ms`); here only drop their inputs.
+                ctx.records.clear()
+                ctx.lambdas.clear()
+                ctx.ema.discard_step()
                 return out
 
             runs[v] = run

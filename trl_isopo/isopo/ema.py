@@ -50,11 +50,13 @@ class EMAStatistics:
         if not keys:
             return [], torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
         slot = {k: i for i, k in enumerate(keys)}
-        sizes = torch.tensor([v.numel() for _, v in self._pending])
-        ids = torch.repeat_interleave(torch.tensor([slot[k] for k, _ in self._pending]), sizes)
+        slots = torch.tensor([slot[k] for k, _ in self._pending])
+        sizes = torch.tensor([v.numel() for _, v in self._pending], dtype=torch.float64)
         values = torch.cat([v for _, v in self._pending]).to("cpu", torch.float64)
-        sums = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, ids, values)
-        counts = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, ids, torch.ones_like(values))
+        sums = torch.zeros(len(keys), dtype=torch.float64).index_add_(
+            0, torch.repeat_interleave(slots, sizes.long()), values
+        )
+        counts = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, slots, sizes)
         return keys, sums, counts
 
     def discard_step(self) -> None:

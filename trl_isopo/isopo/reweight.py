@@ -112,7 +112,5 @@ def interacting_coefficients(ntk: torch.Tensor, advantages: torch.Tensor, lam: t
     D, U = torch.linalg.eigh(ntk.to(torch.float64))
     if isinstance(lam, torch.Tensor):
         lam = lam.to(torch.float64)
-        coef = lam / (D.clamp_min(0) + lam + _REG_EPS)  # K is PSD; tiny negative eigenvalues are rounding
-    else:
-        coef = D.clamp_min(0).add_(lam + _REG_EPS).reciprocal_().mul_(lam)
+    coef = lam / (D.clamp_min(0) + (lam + _REG_EPS))  # K is PSD; tiny negative eigenvalues are rounding
     return U @ (coef * (U.T @ advantages.to(torch.float64)))

@@ -195,51 +195,67 @@ def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+# Shape of the per-call fixed-cost probe: a layer so narrow that ISOPO's arithmetic is negligible, so its extra time
+# over the plain GEMM is the per-call dispatch (a few dozen small tensor ops and their Python glue).
+PROBE_WIDTH = 16
+
+
+def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb):
+    """ms per call (list over `repeats` alternated rounds) of autograd's weight (+ bias) gradient ("plain") and of
+    ISOPO's `layer_grads` for each variant, on the same random inputs and padding mask."""
+    from trl_isopo.isopo.linear import ISOPOContext
+
+    B, L = mask.shape
+    g = torch.Generator().manual_seed(d_in * 7 + d_out)
+    x = torch.randn(B, L, d_in, generator=g).to(mask.device)
+    gr = torch.randn(B, L, d_out, generator=g).to(mask.device) * mask.unsqueeze(-1)  # autograd's G: 0 at padding
+
+    def plain():
+        gw = gr.reshape(-1, gr.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return gw, (gr.sum((0, 1)) if bias else None)
+
+    runs = {"plain": plain}
+    for v, st in variant_settings.items():
+        ctx = ISOPOContext(st)
+        ctx.ema.ema = {f"layer/{k}": 1.0 for k in ("e", "f", "rho", "ntk")}  # steady state: EMA history exists
+
+        def run(ctx=ctx):
+            out = ctx.layer_grads("layer", x, gr, mb, bias)
+            ctx.clear()
+            # The per-step reductions are timed end to end (`end_step_ms`); here only drop their inputs.
+            ctx.records.clear()
+            ctx.lambdas.clear()
+            ctx.ema.discard_step()
+            return out
+
+        runs[v] = run
+    return {k: [1e3 * t for t in ts] for k, ts in interleaved_times(runs, repeats).items()}
+
+
 def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_ms=None):
     """Per covered-layer shape: autograd's weight (+ bias) gradient vs ISOPO's `layer_grads` on the same random
     inputs and padding mask, alternated `repeats` times (sub-second runs, so minima are steady on a noisy machine).
 
-    Returns table rows and, per variant, (sum of extra ms over all covered layers, sum of floor ms): the floor of a
-    layer is its route's extra MACs at the rate (MACs / ms) of that layer's own weight-gradient GEMM. The implied
-    step ratio adds `end_step_ms[variant]`, the measured once-per-step reductions (EMA fold, metrics).
+    Returns table rows: per shape and variant, and per variant the sums over all covered layers (extra ms, floor ms:
+    the floor of a layer is its route's extra MACs at the rate (MACs / ms) of that layer's own weight-gradient GEMM).
+    The implied step ratio adds `end_step_ms[variant]`, the measured once-per-step reductions (EMA fold, metrics).
+    A last column prices the per-call fixed cost, measured on a PROBE_WIDTH-wide layer, times the number of calls.
     """
     end_step_ms = end_step_ms or {}
     from collections import Counter
 
-    from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
+    from trl_isopo.isopo.linear import MicroBatch
     from trl_isopo.isopo.routes import route_costs
 
     covered = set(trainer.isopo_coverage["covered"])
     shapes = Counter((m.in_features, m.out_features, m.bias is not None)
                      for n, m in trainer.model.named_modules() if n in covered)
+    calls = sum(shapes.values())
     B, L = mask.shape
     mb = MicroBatch(mask=mask.bool(), advantages=torch.randn(B, generator=torch.Generator().manual_seed(1)))
     rows, totals = [], {v: [0.0, 0.0] for v in variant_settings}
     for (d_in, d_out, bias), count in sorted(shapes.items()):
-        g = torch.Generator().manual_seed(d_in * 7 + d_out)
-        x = torch.randn(B, L, d_in, generator=g).to(mask.device)
-        gr = torch.randn(B, L, d_out, generator=g).to(mask.device) * mask.unsqueeze(-1)  # autograd's G: 0 at padding
-
-        def plain(x=x, gr=gr, bias=bias):
-            gw = gr.reshape(-1, gr.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-            return gw, (gr.sum((0, 1)) if bias else None)
-
-        runs = {"plain": plain}
-        for v, st in variant_settings.items():
-            ctx = ISOPOContext(st)
-            ctx.ema.ema = {f"layer/{k}": 1.0 for k in ("e", "f", "rho", "ntk")}  # steady state: EMA history exists
-
-            def run(ctx=ctx, x=x, gr=gr, bias=bias):
-                out = ctx.layer_grads("layer", x, gr, mb, bias)
-                ctx.clear()
-                # The per-step reductions are timed end to end (`end_step_ms`); here only drop their inputs.
-                ctx.records.clear()
-                ctx.lambdas.clear()
-                ctx.ema.discard_step()
-                return out
-
-            runs[v] = run
-        times = {k: [1e3 * t for t in ts] for k, ts in interleaved_times(runs, repeats).items()}
+        times = _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb)
         base = min(times["plain"])
         rate = B * L * d_in * d_out / base
         for v, st in variant_settings.items():
@@ -251,12 +267,15 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
             totals[v][0] += count * extra
             totals[v][1] += count * floor_ms
             rows.append(f"| {d_in}->{d_out}{'+b' if bias else ''} x{count} | {v} ({c.best}) | {base:.1f} | {min(times[v]):.1f} | "
-                        f"{extra:.1f} | {floor_ms:.1f} | {extra / floor_ms:.2f} |")
+                        f"{extra:.1f} | {floor_ms:.1f} | {extra / floor_ms:.2f} | |")
+    probe = _layer_times(mask, PROBE_WIDTH, PROBE_WIDTH, False, variant_settings, repeats, mb)
     for v, (extra, floor_ms) in totals.items():
         extra += end_step_ms.get(v, 0.0)
+        fixed = max(0.0, min(probe[v]) - min(probe["plain"]))
         rows.append(f"| all covered layers | {v} | | | {extra:.0f} | {floor_ms:.0f} | {extra / floor_ms:.2f} | "
-                    f"implied step ratio {1 + extra / step_ms:.3f} (floor {1 + floor_ms / step_ms:.3f}; includes "
-                    f"{end_step_ms.get(v, 0.0):.1f} ms end of step) |")
+                    f"{fixed:.2f} ms x {calls} = {fixed * calls:.0f} ms; extra / (floor + that) "
+                    f"{extra / (floor_ms + fixed * calls):.2f} | implied step ratio {1 + extra / step_ms:.3f} (floor "
+                    f"{1 + floor_ms / step_ms:.3f}; includes {end_step_ms.get(v, 0.0):.1f} ms end of step) |")
     return rows
 
 
@@ -333,9 +352,12 @@ def main(argv=None):
         del model, plain, isopo
     if breakdown:
         print("\n# per covered-layer shape: autograd weight(+bias) gradient vs ISOPO layer_grads, min of "
-              f"{args.layer_repeats} alternated runs; floor = route extra MACs at that layer's own GEMM rate")
-        print("| shape | layer | variant (route) | plain ms | ISOPO ms | extra ms | floor ms | extra / floor |")
-        print("|---|---|---|---|---|---|---|---|")
+              f"{args.layer_repeats} alternated runs; floor = route extra MACs at that layer's own GEMM rate; "
+              f"fixed cost per call = ISOPO minus plain on a {PROBE_WIDTH} x {PROBE_WIDTH} layer (dispatch, no arithmetic "
+              "to speak of), times the number of covered layer calls")
+        print("| shape | layer | variant (route) | plain ms | ISOPO ms | extra ms | floor ms | extra / floor "
+              "| fixed cost per call x calls |")
+        print("|---|---|---|---|---|---|---|---|---|")
         print("\n".join(breakdown))
     return 0
 

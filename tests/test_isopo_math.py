@@ -142,12 +142,28 @@ def test_interacting_limits():
     # alpha / lam -> K^-1 A as lam -> 0
     lam = 1e-9
     assert torch.allclose(interacting_coefficients(K, A, lam) / lam, torch.linalg.solve(K, A), rtol=1e-5)
-    # generic lam: a linear solve
+    # generic lam: the reference's eigendecomposition form U diag(lam / (D + lam + 1e-8)) U^T A (an independent
+    # route: the implementation solves by Cholesky), with lam as a float and as a 0-dim tensor
     lam = 3.7
-    want = lam * torch.linalg.solve(K + (lam + 1e-8) * torch.eye(5, dtype=K.dtype), A)
+    D, U = torch.linalg.eigh(K)
+    want = U @ (lam / (D + lam + 1e-8) * (U.T @ A))
     assert torch.allclose(interacting_coefficients(K, A, lam), want, rtol=1e-12)
-    # zero kernel (e.g. LoRA's lora_A at step 0) gives finite coefficients
-    assert torch.isfinite(interacting_coefficients(torch.zeros(5, 5, dtype=torch.float64), A, 0.0)).all()
+    assert torch.allclose(interacting_coefficients(K.float(), A.float(), torch.tensor(lam)), want, rtol=1e-5)
+    # zero kernel (e.g. LoRA's lora_A at step 0): finite (zero) coefficients, also for lam = 0
+    assert torch.equal(interacting_coefficients(torch.zeros(5, 5, dtype=torch.float64), A, 0.0), torch.zeros(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_interacting_coefficients_non_finite_kernel_gives_nan_not_an_error(bad):
+    # eigh raises on such input; the Cholesky solve reports failure through `info`, without a host sync, and the
+    # coefficients come back NaN (the layer then drops them, see test_isopo_trainer).
+    K = torch.eye(4, dtype=torch.float64)
+    K[1, 2] = K[2, 1] = bad
+    alpha = interacting_coefficients(K, torch.ones(4, dtype=torch.float64), 1.0)
+    assert alpha.shape == (4,) and torch.isnan(alpha).all()
+    # not positive definite even after the shift (an eigenvalue below -lam): NaN, not an unbounded solve
+    alpha = interacting_coefficients(-3 * torch.eye(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1.0)
+    assert torch.isnan(alpha).all()
 
 
 def test_ema_closed_form_over_steps():

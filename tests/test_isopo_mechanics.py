@@ -224,3 +224,25 @@ def test_lora_default_init_zero_lora_B(tiny_tokenizer, tmp_path):
         assert not any("lora_A" in k for k in trainer.isopo_context.ema.ema)
         assert any("lora_B" in k for k in trainer.isopo_context.ema.ema)
         trainer.isopo_context.ema.ema = {}
+
+
+def test_masked_input_cache_never_serves_a_freed_input():
+    """Layers reading one input share its masked copy, keyed by address. Under gradient checkpointing a recomputed
+    input can land at the address of a freed one (with a fresh version counter): the cache must keep its input alive
+    so that such a tensor can never hit another layer's masked copy (the CPU allocator reuses small blocks at once;
+    the CUDA caching allocator does so for every size)."""
+    from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
+
+    ctx = ISOPOContext(ISOPOSettings())
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, :2] = False
+    mb = MicroBatch(mask=mask, advantages=torch.ones(2))
+    pad = ~mask.unsqueeze(-1)
+    for i in range(300):
+        x1 = torch.full((2, 5, 3), float(i))
+        ctx.masked_input(x1, mb, torch.float32)
+        del x1
+        x2 = torch.full((2, 5, 3), -1.0 - i)  # a different layer's input, allocated right after the free
+        assert torch.equal(ctx.masked_input(x2, mb, torch.float32), x2.masked_fill(pad, 0.0)), i
+        X = ctx.masked_input(x2, mb, torch.float32)
+        assert X is ctx.masked_input(x2.view(2, 5, 3), mb, torch.float32)  # the same input still shares one copy

@@ -130,6 +130,8 @@ def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, t
     # per step: 2 micro-batches (gradient_accumulation_steps=2), one dropped coefficient each
     warned = [r.getMessage() for r in caplog.records if "non-finite per-sequence coefficients" in r.getMessage()]
     assert len(warned) == 2 and all(": 2 non-finite" in m for m in warned), warned
+    logged = [h["isopo/nonfinite_coefficients"] for h in trainer.state.log_history if "isopo/nonfinite_coefficients" in h]
+    assert logged == [2.0, 2.0], trainer.state.log_history
 
 
 @pytest.mark.parametrize(

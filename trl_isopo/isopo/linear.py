@@ -109,15 +109,17 @@ class ISOPOContext:
     lambdas: list = field(default_factory=list)  # interacting variant: lam per layer call
     # The last masked, upcast layer input (masked only where X is the narrower operand): layers that read the same
     # input, e.g. gate/up, reuse one copy. Cleared with the micro-batch.
-    _input_cache: tuple | None = None
+    _input_cache: tuple | None = None  # (key, masked X, the input x and micro-batch the key was made from)
     scratch: Scratch = field(default_factory=Scratch)
 
     def masked_input(self, x: torch.Tensor, mb: MicroBatch, dt: torch.dtype) -> torch.Tensor:
-        key = (x.data_ptr(), x._version, tuple(x.shape), x.dtype, id(mb))
+        # The entry keeps x and mb alive: otherwise a freed input's address (and a freed micro-batch's id) could be
+        # reused by another layer's input, e.g. one recomputed by gradient checkpointing, and hit a stale copy.
+        key = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype, x.device, id(mb), dt)
         if self._input_cache is not None and self._input_cache[0] == key:
             return self._input_cache[1]
         X = x.to(dt).masked_fill(mb.padding(), 0.0)  # a fill, not a product: pad rows may hold NaN
-        self._input_cache = (key, X)
+        self._input_cache = (key, X, x, mb)
         return X
 
     def clear(self) -> None:

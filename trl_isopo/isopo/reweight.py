@@ -95,10 +95,17 @@ def relative_overlap(f: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def interacting_coefficients(ntk: torch.Tensor, advantages: torch.Tensor, lam: torch.Tensor | float) -> torch.Tensor:
-    """alpha = lam (K + lam I)^-1 A, solved in float64 (the reference's `U diag(lam/(D+lam+1e-8)) U^T A`).
+    """alpha = lam (K + (lam + 1e-8) I)^-1 A, solved in float64 (the reference's `U diag(lam/(D+lam+1e-8)) U^T A`).
 
     The paper writes the interacting step as J^T (K + c I)^-1 A; multiplying by lam keeps the step equal to
     REINFORCE when K << lam (all alpha_i -> A_i) and gives alpha / lam -> K^-1 A as lam -> 0.
+
+    A Cholesky solve, not the reference's eigendecomposition: on CUDA `torch.linalg.eigh` synchronizes with the
+    host (here once per covered layer and micro-batch, inside the backward) and cuSOLVER's eigh can fail on an
+    all-zero K (PEFT's lora_A on the first step); `cholesky_ex` (failure reported in `info`, not checked on the
+    host) and triangular solves do neither. If K + (lam + 1e-8) I is not positive definite in float64 (a K far from
+    PSD: non-finite entries, or rounding beyond lam), the coefficients are NaN and the caller drops them like any
+    non-finite coefficient, instead of raising or returning an unbounded solve.
 
     Args:
         ntk: (B, B) symmetric PSD kernel K_ik = <V_i, V_k>_F.
@@ -108,9 +115,12 @@ def interacting_coefficients(ntk: torch.Tensor, advantages: torch.Tensor, lam: t
     Returns:
         (B,) float64 coefficients.
     """
-    # eigh reads only the lower triangle, so a K that is symmetric up to rounding needs no symmetrizing copy.
-    D, U = torch.linalg.eigh(ntk.to(torch.float64))
+    M = ntk.to(torch.float64, copy=True)
     if isinstance(lam, torch.Tensor):
         lam = lam.to(torch.float64)
-    coef = lam / (D.clamp_min(0) + (lam + _REG_EPS))  # K is PSD; tiny negative eigenvalues are rounding
-    return U @ (coef * (U.T @ advantages.to(torch.float64)))
+    M.diagonal().add_(lam + _REG_EPS)
+    L, info = torch.linalg.cholesky_ex(M)
+    # Two triangular solves (BLAS trsm: no error flag to check, so no host sync either).
+    y = torch.linalg.solve_triangular(L, (advantages.to(torch.float64) * lam).unsqueeze(1), upper=False)
+    alpha = torch.linalg.solve_triangular(L.mT, y, upper=True).squeeze(1)
+    return torch.where(info == 0, alpha, torch.nan)

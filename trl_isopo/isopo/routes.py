@@ -22,6 +22,7 @@ with each other and with brute-force per-sequence autograd).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ class RouteCost:
         return "gram" if self.gram < self.mat else "mat"
 
 
+@functools.lru_cache(maxsize=4096)  # called per layer and micro-batch with a few distinct shapes: pure Python
 def route_costs(
     B: int,
     L: int,

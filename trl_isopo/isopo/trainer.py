@@ -180,14 +180,15 @@ class ISOPOTrainer(GRPOTrainer):
                 return self.accelerator.reduce(t.to(device), reduction="sum").cpu()
 
         ctx.ema.end_step(reduce, self.accelerator.num_processes)
-        names = ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "ntk_lambda")
+        names = ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "ntk_lambda",
+                 "nonfinite_coefficients")
         step = ctx.step_metrics()
         local = torch.tensor([list(step.get(n, (0.0, 0.0))) for n in names], dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             local = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu()
         for n, (total, count) in zip(names, local.tolist()):
-            if count > 0:
-                self._metrics["train"][f"isopo/{n}"].append(total / count)
+            if count > 0:  # means over layer calls; the dropped-coefficient count is a total over the step
+                self._metrics["train"][f"isopo/{n}"].append(total if n == "nonfinite_coefficients" else total / count)
         # counts (summed, not averaged): sequences whose coefficient was not finite (this process), EMA folds skipped
         bad = step.get("nonfinite_coefficients", (0.0, 0.0))[0]
         skipped, self._isopo_skipped = ctx.ema.skipped - self._isopo_skipped, ctx.ema.skipped

@@ -300,10 +300,11 @@ def _mat(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True):
                 Z = GJ[:, o0:o1] @ V.transpose(0, 1).reshape(o1 - o0, B * d_in)
                 u.append((Z.view(-1, B, d_in) * XJ.unsqueeze(1)).sum(2).T)
     u = _total(u) if XJ is not None else None
+    V = V if step >= d_out else None  # kept for the final gradient only when it is the whole V (one chunk)
     if ntk:
         K = _total(K)
-        return torch.diagonal(K).clone(), u, K, (V if step >= d_out else None)
-    return (_total(e2) if euclidean else None), u, None, (V if step >= d_out else None)
+        return torch.diagonal(K).clone(), u, K, V
+    return (_total(e2) if euclidean else None), u, None, V
 
 
 def _total(terms: list[torch.Tensor]) -> torch.Tensor:

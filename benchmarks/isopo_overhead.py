@@ -221,7 +221,9 @@ def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb):
 
         def run(ctx=ctx):
             out = ctx.layer_grads("layer", x, gr, mb, bias)
-            ctx.clear()
+            # Scratch storage (V, Fisher sample rows) stays allocated, as from one covered layer to the next in a
+            # backward pass: the trainer frees it once per micro-batch, not per layer.
+            ctx.clear(keep_scratch=True)
             # The per-step reductions are timed end to end (`end_step_ms`); here only drop their inputs.
             ctx.records.clear()
             ctx.lambdas.clear()

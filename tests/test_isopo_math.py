@@ -35,13 +35,18 @@ def explicit(X, G, sample):
 
 @pytest.mark.parametrize("shape", [(4, 9, 5, 7), (3, 6, 11, 2), (5, 4, 3, 13), (2, 12, 8, 8)])
 @pytest.mark.parametrize("route", ["gram", "mat"])
-@pytest.mark.parametrize("budget", [2**30, 256])  # 256 bytes forces chunking everywhere
+# 256 bytes forces chunking everywhere; "mid": chunks of d_in + 1 output rows of V, which on layers with d_out > d_in + 1
+# takes the transposed V layout of the Fisher contraction through several chunks and a remainder.
+@pytest.mark.parametrize("budget", [2**30, 256, "mid"])
 @pytest.mark.parametrize("tiny_blocks", [False, True])
 def test_routes_match_explicit(shape, route, budget, tiny_blocks, monkeypatch):
     if tiny_blocks:  # several triangular Gram row blocks and blocked V V^T sums, with remainders, at test sizes
         monkeypatch.setattr(routes, "TRI_ROWS", 2)
         monkeypatch.setattr(routes, "ROW_GRAM_BLOCK", 4)
     B, L, d_in, d_out = shape
+    S = -(-5 // routes.SAMPLE_MULTIPLE) * routes.SAMPLE_MULTIPLE  # the 5-token sample, zero-padded
+    if budget == "mid":
+        budget = B * (d_in + S) * 8 * (d_in + 1)  # `_mat`'s bytes per output row of V, times d_in + 1 rows
     X, G, mask = random_layer(B, L, d_in, d_out, seed=sum(shape))
     valid = mask.reshape(-1).nonzero().squeeze(1)
     sample = valid[torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(0))[:5]]
@@ -57,7 +62,7 @@ def test_routes_match_explicit(shape, route, budget, tiny_blocks, monkeypatch):
     assert torch.allclose(gw, torch.einsum("b,boi->oi", w, V), rtol=1e-12, atol=1e-12)
     assert torch.allclose(gb, torch.einsum("b,blo->o", w, G), rtol=1e-12, atol=1e-12)
     # The materialized route keeps V only when it fits the budget; the result is the same either way.
-    assert (st2.V is not None) == (route == "mat" and B * d_out * (d_in + 5) * 8 <= budget)
+    assert (st2.V is not None) == (route == "mat" and B * d_out * (d_in + S) * 8 <= budget)
 
 
 

@@ -246,3 +246,49 @@ def test_masked_input_cache_never_serves_a_freed_input():
         assert torch.equal(ctx.masked_input(x2, mb, torch.float32), x2.masked_fill(pad, 0.0)), i
         X = ctx.masked_input(x2, mb, torch.float32)
         assert X is ctx.masked_input(x2.view(2, 5, 3), mb, torch.float32)  # the same input still shares one copy
+
+
+@pytest.mark.parametrize("narrow", ["x", "g"])
+def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
+    """The narrower operand's padding rows are set to 0 in a copy, never multiplied by the mask: they may hold NaN or
+    inf (a pad token's hidden state). The caller's tensors are left untouched, and the gradient equals that of inputs
+    that were clean to begin with. The wider operand must only be finite there, as for autograd's own G^T X."""
+    from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
+
+    B, L = 3, 6
+    d_in, d_out = (3, 7) if narrow == "x" else (7, 3)
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[0, :2] = mask[2, 4:] = False
+    pad = ~mask.unsqueeze(-1)
+    x = torch.randn(B, L, d_in, generator=gen, dtype=torch.float64)
+    g = torch.randn(B, L, d_out, generator=gen, dtype=torch.float64)
+    clean_x, clean_g = x.masked_fill(pad, 0.0), g.masked_fill(pad, 0.0)
+    dirty = x if narrow == "x" else g
+    dirty[pad.expand_as(dirty)] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64).repeat(
+        int(pad.sum()) * dirty.shape[-1] // 3 + 1)[: int(pad.sum()) * dirty.shape[-1]]
+    other = g if narrow == "x" else x
+    other[pad.expand_as(other)] = 1e3  # finite garbage in the wider operand
+    before = (x.clone(), g.clone())
+    A = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    grads = []
+    for xi, gi in ((x, g), (clean_x, clean_g)):
+        ctx = ISOPOContext(ISOPOSettings(p=-1.0, q=-0.5, r=0.3, fisher_tokens=5))
+        gw, gb = ctx.layer_grads("layer", xi, gi, MicroBatch(mask=mask, advantages=A, seed=3), True)
+        grads.append((gw, gb))
+    assert torch.isfinite(grads[0][0]).all() and torch.isfinite(grads[0][1]).all()
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close((x, g), before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_zero_padding_copies_only_when_there_is_padding():
+    from trl_isopo.isopo.linear import MicroBatch
+
+    t = torch.randn(2, 4, 5).transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous (2, 4, 5) input
+    full = MicroBatch(mask=torch.ones(2, 4, dtype=torch.bool), advantages=torch.ones(2))
+    assert full.zero_padding(t, torch.float32) is t  # no padding: no copy
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 3] = False
+    out = MicroBatch(mask=mask, advantages=torch.ones(2)).zero_padding(t, torch.float64)
+    assert out.is_contiguous() and out.dtype == torch.float64
+    assert torch.equal(out, t.double().masked_fill(~mask.unsqueeze(-1), 0.0))

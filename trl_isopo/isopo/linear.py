@@ -70,18 +70,28 @@ class MicroBatch:
     seed: int = 0
     logits_to_keep: int = 0
     valid_index: torch.Tensor | None = None  # flat indices of valid positions (computed once, not per layer)
-    # Per-dtype derived tensors (padding mask, cast advantages), made by the first layer that needs them.
+    padding_index: torch.Tensor | None = None  # flat indices of padding positions (idem)
+    # Per-dtype cast advantages, made by the first layer that needs them.
     _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if self.valid_index is None:
             object.__setattr__(self, "valid_index", self.mask.reshape(-1).nonzero().squeeze(1))
+        if self.padding_index is None:
+            object.__setattr__(self, "padding_index", (~self.mask.reshape(-1)).nonzero().squeeze(1))
 
-    def padding(self) -> torch.Tensor:
-        """(B, L, 1) bool, True at padding positions."""
-        if "padding" not in self._derived:
-            self._derived["padding"] = ~self.mask.unsqueeze(-1)
-        return self._derived["padding"]
+    def zero_padding(self, t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        """t (B, L, d) as a contiguous `dt` copy with its padding rows set to 0 (t itself if there is no padding).
+
+        A fill, not a product with the mask: padding rows may hold NaN. The listed rows of a copy, not a broadcast
+        `masked_fill`, which on CPU measured about 3x slower (2048 x 896 floats: 2.3 ms against 0.8 ms for copy and
+        fill; 2048 x 16: 39 against 12 us).
+        """
+        if self.padding_index.numel() == 0:
+            return t.to(dt)
+        out = t.to(dt, memory_format=torch.contiguous_format, copy=True)
+        out.view(-1, out.shape[-1]).index_fill_(0, self.padding_index, 0.0)
+        return out
 
     def advantages_as(self, like: torch.Tensor) -> torch.Tensor:
         """The advantages (B,) on the device and in the dtype of `like`."""
@@ -118,14 +128,16 @@ class ISOPOContext:
         key = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype, x.device, id(mb), dt)
         if self._input_cache is not None and self._input_cache[0] == key:
             return self._input_cache[1]
-        X = x.to(dt).masked_fill(mb.padding(), 0.0)  # a fill, not a product: pad rows may hold NaN
+        X = mb.zero_padding(x, dt)
         self._input_cache = (key, X, x, mb)
         return X
 
-    def clear(self) -> None:
+    def clear(self, keep_scratch: bool = False) -> None:
+        """End of a micro-batch's backward: drop its state (and the scratch storage, unless `keep_scratch`)."""
         self.micro_batch = None
         self._input_cache = None
-        self.scratch.clear()
+        if not keep_scratch:
+            self.scratch.clear()
 
     def __post_init__(self):
         if self.ema is None:
@@ -162,7 +174,7 @@ class ISOPOContext:
         if x.shape[-1] <= g.shape[-1]:
             X, G = self.masked_input(x, mb, dt), g.to(dt)
         else:
-            X, G = x.to(dt), g.to(dt).masked_fill(mb.padding(), 0.0)
+            X, G = x.to(dt), mb.zero_padding(g, dt)
         A = mb.advantages_as(X)
         sample = self.fisher_sample(name, mb) if s.needs_fisher else None
         stats = sequence_statistics(

@@ -47,7 +47,8 @@ ROW_GRAM_BLOCK = 8192  # columns per block of the V V^T sum (`_row_gram`)
 @dataclass
 class SequenceStats:
     """Statistics of one layer and micro-batch. Shapes: e2 (B,) or None, fisher_num (B,) or None, fisher_den scalar
-    or None, ntk (B, B) or None; `V` (B, d_out, d_in) is kept only by the "mat" route when it fits the budget."""
+    or None, ntk (B, B) or None; `V` (B, d_out, d_in) is kept only by the "mat" route when it fits the budget (a
+    transposed view of a (B, d_in, d_out) tensor when the Fisher contraction wanted that layout)."""
 
     e2: torch.Tensor | None
     fisher_num: torch.Tensor | None
@@ -199,7 +200,8 @@ def _gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, 
     n, d = index.numel(), T.shape[-1]
     rows = -(-n // SAMPLE_MULTIPLE) * SAMPLE_MULTIPLE
     out = T.new_empty(rows, d) if scratch is None else scratch.get(slot, (rows, d), T.dtype, T.device)
-    out[n:].zero_()
+    if rows > n:
+        out[n:].zero_()
     torch.index_select(T.reshape(-1, d), 0, index, out=out[:n])
     return out
 
@@ -281,24 +283,34 @@ def _mat(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True):
     # Per d_out row: the V chunk (B, c, d_in) and, for the Fisher numerator, Y = V a_J (B, c, S).
     S = XJ.shape[0] if XJ is not None else 0
     step = _rows_per_chunk(B * (d_in + S) * item, budget, d_out)
+    # u[i, j] = sum_o g_j[o] (V_i a_j)[o] contracts the longer of (c, d_in) in one 2-D GEMM: with c > d_in, V is
+    # stored transposed, V^T (B, d_in, c), so that (B d_in, c) @ (c, S) reads it in place (the (B, c, d_in) layout
+    # needed a transposed copy of V per chunk; a broadcast (S, c) @ (B, c, d_in) ran 1.2-1.4x slower).
+    transposed = XJ is not None and min(step, d_out) > d_in
+    XJt = XJ.T.contiguous() if transposed else None  # (d_in, S)
     e2, u, K = [], [], []  # per-chunk terms, summed at the end (one chunk in the common case: no zero-init + add)
     V = None
     for o0 in range(0, d_out, step):
         o1 = min(d_out, o0 + step)
-        out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), X.dtype, X.device)
-        V = torch.bmm(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
-        Vf = V.view(B, -1)
+        if transposed:
+            out = None if scratch is None else scratch.get("V", (B, d_in, o1 - o0), X.dtype, X.device)
+            Vt = torch.bmm(X.transpose(1, 2), G[:, :, o0:o1], out=out)  # (B, d_in, c)
+            V, Vf = Vt.transpose(1, 2), Vt.view(B, -1)  # V: a (B, c, d_in) view
+        else:
+            out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), X.dtype, X.device)
+            V = torch.bmm(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
+            Vf = V.view(B, -1)
         if ntk:  # with K, e^2 = diag K (no extra pass over V)
             K.append(_row_gram(Vf))
         elif euclidean:
             e2.append(torch.linalg.vector_norm(Vf, dim=1).square_())  # a reduction, no (B, c, d_in) temporary
         if XJ is not None:
-            # u[i, j] += sum_{o in chunk} g_j[o] (V_i a_j)[o]; contract over the smaller of (c, d_in) last.
-            if o1 - o0 <= d_in:
-                u.append(((V @ XJ.T) * GJ[:, o0:o1].T.unsqueeze(0)).sum(1))
-            else:  # one 2-D GEMM (S, c) @ (c, B d_in): a broadcast (S, c) @ (B, c, d_in) ran 1.2-1.4x slower
-                Z = GJ[:, o0:o1] @ V.transpose(0, 1).reshape(o1 - o0, B * d_in)
-                u.append((Z.view(-1, B, d_in) * XJ.unsqueeze(1)).sum(2).T)
+            # The small factor is made contiguous first: a broadcast product with a transposed view ran 2-3x slower.
+            if transposed:
+                Zt = Vf.view(B * d_in, o1 - o0) @ GJ[:, o0:o1].T  # (B d_in, S): sum_o V_i[o, :] g_j[o]
+                u.append((Zt.view(B, d_in, -1) * XJt).sum(1))
+            else:
+                u.append(((V @ XJ.T) * GJ[:, o0:o1].T.contiguous()).sum(1))
     u = _total(u) if XJ is not None else None
     V = V if step >= d_out else None  # kept for the final gradient only when it is the whole V (one chunk)
     if ntk:
@@ -323,7 +335,10 @@ def reweighted_weight_grad(
     w = w.to(X.dtype)
     if stats is not None and stats.V is not None:
         B, d_out, d_in = stats.V.shape
-        gw = (w @ stats.V.reshape(B, -1)).reshape(d_out, d_in)  # one pass over V
+        if stats.V.is_contiguous():
+            gw = (w @ stats.V.view(B, -1)).view(d_out, d_in)  # one pass over V
+        else:  # V stored transposed (`_mat`): the (d_in, d_out) sum, then one d_out x d_in copy (1/B of V)
+            gw = (w @ stats.V.transpose(1, 2).reshape(B, -1)).view(d_in, d_out).T.contiguous()
     elif G.shape[-1] <= X.shape[-1]:  # scale the narrower operand's rows: sum_t (w_s(t) g_t) a_t^T
         gw = (G * w.view(-1, 1, 1)).reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
     else:

@@ -265,8 +265,8 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
     g = torch.randn(B, L, d_out, generator=gen, dtype=torch.float64)
     clean_x, clean_g = x.masked_fill(pad, 0.0), g.masked_fill(pad, 0.0)
     dirty = x if narrow == "x" else g
-    dirty[pad.expand_as(dirty)] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64).repeat(
-        int(pad.sum()) * dirty.shape[-1] // 3 + 1)[: int(pad.sum()) * dirty.shape[-1]]
+    n = int(pad.sum()) * dirty.shape[-1]  # padding entries: NaN, inf, -inf in turn
+    dirty[pad.expand_as(dirty)] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64).repeat(n)[:n]
     other = g if narrow == "x" else x
     other[pad.expand_as(other)] = 1e3  # finite garbage in the wider operand
     before = (x.clone(), g.clone())

@@ -6,7 +6,10 @@ gradient accumulation 1), interleaved over repeats. Two estimates of the time
 ratio: the median of the per-round ratios, and the ratio of the fastest runs (contention on a shared machine only
 ever slows a run down, so minima are the steadier estimate there); plus the spread of the per-round ratios. It also
 prints peak memory ratios (CPU: torch profiler memory timeline; CUDA: max_memory_allocated) and the analytic floor:
-the extra multiply-accumulates ISOPO must do under the routes it picks, over the plain step's.
+the extra multiply-accumulates ISOPO must do under the routes it picks, over the plain step's. A last column checks
+that floor against what runs: torch's FlopCounterMode counts the matrix-product MACs of one ISOPO step and one GRPO
+step, and their difference is set against the floor's matrix-product part (`routes.gemm_macs`); 1.0000 means ISOPO
+runs no GEMM work the floor does not price, and the floor prices none that ISOPO does not run.
 
 On CPU the script re-executes itself with glibc's allocator told to keep freed memory (`--malloc cached`, the
 default): by default every temporary above 32 MiB is a fresh mmap whose pages fault in on first touch, which costs
@@ -154,9 +157,12 @@ def fmt_mib(b: float) -> str:
     return f"{b / 2**20:.0f}"
 
 
-def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
-    """(plain MACs of the step, ISOPO's extra MACs under the routes it picks)."""
-    from trl_isopo.isopo.routes import route_costs
+def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
+    """(plain MACs of the step, ISOPO's extra MACs under the routes it picks: the floor, and the part of those that
+    runs as matrix products, with the sample as gathered (zero-padded): what FlopCounterMode should count).
+
+    `valid`: the micro-batch's valid (non-padding) positions, from which the Fisher sample is drawn."""
+    from trl_isopo.isopo.routes import SAMPLE_MULTIPLE, gemm_macs, route_costs
 
     H, V = cfg.hidden_size, cfg.vocab_size
     N = B * T
@@ -168,16 +174,31 @@ def analytic(trainer, cfg, B, T, lora_r, settings) -> tuple[float, float]:
     head_trainable = trainer.model.get_output_embeddings().weight.requires_grad
     plain += N * H * V * (3 if head_trainable else 2)
     plain += cfg.num_hidden_layers * 3 * 2 * B * T * T * H  # attention scores and values, fwd + bwd
-    extra = 0.0
-    S = 0 if settings.interacting else min(settings.fisher_tokens or N, N)
+    extra = gemm = 0.0
+    k = settings.fisher_tokens
+    S = (min(k, valid) if k > 0 else valid) if settings.needs_fisher else 0
+    S_gathered = -(-S // SAMPLE_MULTIPLE) * SAMPLE_MULTIPLE
     covered = set(trainer.isopo_coverage["covered"])
     for name, m in trainer.model.named_modules():
         if name in covered:
-            c = route_costs(B, T, m.in_features, m.out_features, S, settings.needs_fisher, settings.interacting,
-                            settings.budget_bytes, euclidean=settings.needs_euclidean)
-            extra += min(c.gram, c.mat) if settings.route == "auto" else getattr(c, settings.route)
+            args = (B, T, m.in_features, m.out_features)
+            flags = (settings.needs_fisher, settings.interacting, settings.budget_bytes)
+            c = route_costs(*args, S, *flags, euclidean=settings.needs_euclidean)
+            route = c.best if settings.route == "auto" else settings.route
+            extra += getattr(c, route)
+            gemm += gemm_macs(*args, S_gathered, *flags, route, euclidean=settings.needs_euclidean,
+                              bias=m.bias is not None)
     # The advantage-weighted LM head (RowScaledChunkedLogProb) does the same tile work as TRL's kernel: no extra.
-    return plain, extra
+    return plain, extra, gemm
+
+
+def counted_macs(fn) -> float:
+    """Multiply-accumulates of the matrix products (mm, bmm, attention) one call of fn runs: torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops() / 2
 
 
 def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
@@ -312,11 +333,12 @@ def main(argv=None):
           f"B={args.batch} T={args.seq} vocab={args.vocab}, isopo_other_params={args.other_params}, "
           f"{args.repeats} interleaved repeats, malloc {args.malloc if device == 'cpu' else 'cuda caching'}")
     print("| shape | variant | GRPO ms (min) | ISOPO ms (min) | ratio of minima | median ratio [quartiles] "
-          "| analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio "
+          "| extra GEMM MACs (M): counted / modelled = ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     breakdown = []
     for shape in args.shapes.split(","):
-        model, tokenizer, cfg, lora_r = build(shape, args.vocab)
+        model, tokenizer, cfg, _ = build(shape, args.vocab)
         with tempfile.TemporaryDirectory() as tmp:
             plain, isopo = make_trainers(model, tokenizer, tmp, args.other_params)
             batch = make_batch(args.batch, args.seq, cfg.vocab_size, device)
@@ -334,9 +356,11 @@ def main(argv=None):
                 runs[v] = run_v
             times = interleaved_times(runs, args.repeats)
             mem = {} if args.no_memory else {k: peak_memory(f) for k, f in runs.items()}
+            counted = {k: counted_macs(f) for k, f in runs.items()}
+            valid = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
             for v in variant_settings:
                 ratios = sorted(a / b for a, b in zip(times[v], times["grpo"]))
-                plain_macs, extra = analytic(isopo, cfg, args.batch, args.seq, lora_r, variant_settings[v])
+                plain_macs, extra, gemm = analytic(isopo, cfg, args.batch, args.seq, valid, variant_settings[v])
                 floor = extra / plain_macs
                 ratio = min(times[v]) / min(times["grpo"])
                 q1, q3 = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
@@ -344,7 +368,9 @@ def main(argv=None):
                 mem_abs = f"{fmt_mib(mem['grpo'])} / {fmt_mib(mem[v])}" if mem else "-"
                 print(f"| {shape} | {v} | {1e3 * min(times['grpo']):.1f} | {1e3 * min(times[v]):.1f} | {ratio:.3f} | "
                       f"{statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}] | {1 + floor:.3f} | "
-                      f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_abs} | {mem_ratio} |", flush=True)
+                      f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_abs} | {mem_ratio} | "
+                      f"{(counted[v] - counted['grpo']) / 1e6:.2f} / {gemm / 1e6:.2f} = "
+                      f"{(counted[v] - counted['grpo']) / gemm if gemm > 0 else float('nan'):.4f} |", flush=True)
             if args.layer_repeats > 0:
                 mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
                 breakdown += [f"| {shape} {r[2:]}" for r in

@@ -108,6 +108,45 @@ def test_route_costs_pick_mat_for_lora_and_gram_for_wide_layers():
     assert route_costs(8, 256, 896, 4864, 0, fisher=False, ntk=True).best == "mat"
 
 
+@pytest.mark.parametrize("variant", ["p", "q", "pqr", "interacting"])
+@pytest.mark.parametrize("route", ["gram", "mat", "mat_chunked"])
+@pytest.mark.parametrize("shape", [(48, 8, False), (8, 48, True), (40, 56, False)])
+def test_route_costs_count_the_gemms_layer_grads_runs(variant, route, shape):
+    """The benchmark's analytic floor is route_costs: it must price the multiply-accumulates ISOPO really runs.
+    torch's FlopCounterMode counts every mm / bmm of one `layer_grads` call; minus autograd's own weight GEMM (which
+    ISOPO replaces) that is `gemm_macs`: route_costs' arithmetic (no per-float streaming charge) less its one
+    non-GEMM term, the e^2 reduction over V on "mat", plus the bias products."""
+    from dataclasses import replace
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
+
+    d_in, d_out, bias = shape
+    B, L, k = 8, 64, 50
+    settings = {"p": ISOPOSettings(p=-1.0), "q": ISOPOSettings(p=0.0, q=-1.0),
+                "pqr": ISOPOSettings(p=-1.0, q=-0.5, r=-0.5), "interacting": ISOPOSettings(interacting=True)}[variant]
+    S = -(-k // routes.SAMPLE_MULTIPLE) * routes.SAMPLE_MULTIPLE if settings.needs_fisher else 0  # padded sample
+    budget = B * d_out * (d_in + S) * 4 - 1 if route == "mat_chunked" else routes.DEFAULT_BUDGET_BYTES  # V won't fit
+    settings = replace(settings, fisher_tokens=k, route=route.split("_")[0], budget_bytes=budget)
+    g = torch.Generator().manual_seed(d_in + d_out)
+    mask = torch.rand(B, L, generator=g) > 0.1
+    x, gr = torch.randn(B, L, d_in, generator=g), torch.randn(B, L, d_out, generator=g)
+    ctx = ISOPOContext(settings)
+    with FlopCounterMode(display=False) as counter:
+        ctx.layer_grads("layer", x, gr, MicroBatch(mask=mask, advantages=torch.randn(B, generator=g)), bias)
+    counted = counter.get_total_flops() / 2 - B * L * d_in * d_out
+    assert counted == routes.gemm_macs(B, L, d_in, d_out, S, settings.needs_fisher, settings.interacting, budget,
+                                       settings.route, euclidean=settings.needs_euclidean, bias=bias)
+    # Closed forms, the bias products aside: the Fisher contraction and the final sum over sequences (V kept), or
+    # the final sum as a second weight-gradient GEMM (V chunked); the Fisher numerator's token Gram blocks ("gram").
+    counted -= B * (L + 1) * d_out if bias else 0
+    if variant == "p":
+        assert counted == {"mat": B * S * d_in * d_out + B * d_in * d_out,
+                           "mat_chunked": B * S * d_in * d_out + B * L * d_in * d_out,
+                           "gram": B * L * S * (d_in + d_out)}[route]
+
+
 def test_regularized_magnitude():
     x = torch.tensor([0.0, 1e-6, 3.0, 100.0], dtype=torch.float64)
     assert torch.equal(regularized_magnitude(x, 4.0, 0.0), x)

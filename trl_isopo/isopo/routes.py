@@ -83,14 +83,17 @@ def route_costs(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     *,
     euclidean: bool = True,
+    macs_per_float: int = MAT_MACS_PER_FLOAT,
 ) -> RouteCost:
     """Analytic extra MACs of each route for one layer and micro-batch (padded layout, B rows of length L).
 
     gram: e^2 (if `euclidean`) from diagonal L x L blocks, computed as upper-triangular row blocks (about half of
     B L^2 (d_in + d_out)), unless K is formed (then e^2 = diag K); Fisher numerator B L S (d_in + d_out); K about
     (B L)^2 (d_in + d_out) / 2.
-    mat: V costs what the replaced weight-gradient GEMM costs (0 extra) if V fits the budget, else one more GEMM for the
-    final sum; e^2 and the final sum B d_in d_out each; Fisher B S d_in d_out; K B^2 d_in d_out.
+    mat: V costs what the replaced weight-gradient GEMM costs (0 extra); the final sum B d_in d_out if V fits the
+    budget, else one more weight-gradient GEMM B L d_in d_out; e^2 B d_in d_out (free as diag K); Fisher
+    B S d_in d_out; K B^2 d_in d_out; plus `macs_per_float` per float of V streamed (0: arithmetic only, where every
+    term but the e^2 reduction over V is a GEMM; a test counts them against the GEMMs `sequence_statistics` runs).
     """
     dd = d_in + d_out
     gram = B * L * S * dd if fisher else 0.0
@@ -98,13 +101,29 @@ def route_costs(
         gram += _tri_work(B * L, min(TRI_ROWS, B * L)) * dd
     elif euclidean:
         gram += B * _tri_work(L, min(TRI_ROWS, L)) * dd
-    passes = MAT_PASSES_OVER_V if euclidean or ntk else MAT_PASSES_OVER_V - 1  # no norm pass over V
-    mat = (1 + (euclidean or ntk) + passes * MAT_MACS_PER_FLOAT) * B * d_in * d_out
+    # V is kept for the final sum only if it fits the budget (float32); else the final gradient is one more GEMM.
+    fits = B * d_out * (d_in + (S if fisher else 0)) * 4 <= budget_bytes
+    passes = MAT_PASSES_OVER_V - (not (euclidean or ntk)) - (not fits)  # write; e^2 or K read; final-sum read
+    mat = (passes * macs_per_float + (euclidean and not ntk)) * B * d_in * d_out  # with K, e^2 = diag K
     mat += B * S * d_in * d_out if fisher else 0.0
     mat += B * B * d_in * d_out if ntk else 0.0
-    if B * d_out * (d_in + (S if fisher else 0)) * 4 > budget_bytes:  # V does not fit: one more GEMM at the end
-        mat += B * L * d_in * d_out
+    mat += B * d_in * d_out if fits else B * L * d_in * d_out
     return RouteCost(gram=float(gram), mat=float(mat))
+
+
+def gemm_macs(
+    B: int, L: int, d_in: int, d_out: int, S: int, fisher: bool, ntk: bool, budget_bytes: int, route: str, *,
+    euclidean: bool, bias: bool,
+) -> float:
+    """The MACs one `layer_grads` call runs as matrix products (mm / bmm, what torch's FlopCounterMode counts) beyond
+    autograd's weight-gradient GEMM: `route_costs`' arithmetic without its e^2 reduction over V ("mat"), plus with
+    a bias the per-sequence sums (B, 1, L) @ (B, L, d_out) and their weighted sum. S: the sample as gathered
+    (zero-padded to a multiple of SAMPLE_MULTIPLE)."""
+    cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, macs_per_float=0)
+    macs = getattr(cost, route)
+    if route == "mat" and euclidean and not ntk:
+        macs -= B * d_in * d_out
+    return macs + (B * (L + 1) * d_out if bias else 0)
 
 
 class Scratch:

@@ -1,5 +1,5 @@
 """The overhead benchmark runs end to end on its smallest shape. Timings are not checked (timing is not a test); its
-count of the matrix-product MACs ISOPO adds to the step is, against the analytic model behind the floor."""
+count of the matrix-product MACs that ISOPO adds to the step is checked against the analytic model behind the floor."""
 
 import os
 import subprocess

@@ -162,7 +162,7 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
     runs as matrix products, with the sample as gathered (zero-padded): what FlopCounterMode should count).
 
     `valid`: the micro-batch's valid (non-padding) positions, from which the Fisher sample is drawn."""
-    from trl_isopo.isopo.routes import SAMPLE_MULTIPLE, gemm_macs, route_costs
+    from trl_isopo.isopo.routes import gathered_rows, gemm_macs, route_costs
 
     H, V = cfg.hidden_size, cfg.vocab_size
     N = B * T
@@ -177,7 +177,7 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
     extra = gemm = 0.0
     k = settings.fisher_tokens
     S = (min(k, valid) if k > 0 else valid) if settings.needs_fisher else 0
-    S_gathered = -(-S // SAMPLE_MULTIPLE) * SAMPLE_MULTIPLE
+    S_gathered = gathered_rows(S)
     covered = set(trainer.isopo_coverage["covered"])
     for name, m in trainer.model.named_modules():
         if name in covered:

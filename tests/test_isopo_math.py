@@ -126,7 +126,7 @@ def test_route_costs_count_the_gemms_layer_grads_runs(variant, route, shape):
     B, L, k = 8, 64, 50
     settings = {"p": ISOPOSettings(p=-1.0), "q": ISOPOSettings(p=0.0, q=-1.0),
                 "pqr": ISOPOSettings(p=-1.0, q=-0.5, r=-0.5), "interacting": ISOPOSettings(interacting=True)}[variant]
-    S = -(-k // routes.SAMPLE_MULTIPLE) * routes.SAMPLE_MULTIPLE if settings.needs_fisher else 0  # padded sample
+    S = routes.gathered_rows(k) if settings.needs_fisher else 0  # the sample as gathered (zero-padded)
     budget = B * d_out * (d_in + S) * 4 - 1 if route == "mat_chunked" else routes.DEFAULT_BUDGET_BYTES  # V won't fit
     settings = replace(settings, fisher_tokens=k, route=route.split("_")[0], budget_bytes=budget)
     g = torch.Generator().manual_seed(d_in + d_out)

@@ -44,6 +44,11 @@ SAMPLE_MULTIPLE = 8
 ROW_GRAM_BLOCK = 8192  # columns per block of the V V^T sum (`_row_gram`)
 
 
+def gathered_rows(n: int) -> int:
+    """Rows of the gathered Fisher sample of n tokens: n zero-padded to a multiple of SAMPLE_MULTIPLE."""
+    return -(-n // SAMPLE_MULTIPLE) * SAMPLE_MULTIPLE
+
+
 @dataclass
 class SequenceStats:
     """Statistics of one layer and micro-batch. Shapes: e2 (B,) or None, fisher_num (B,) or None, fisher_den scalar
@@ -102,7 +107,7 @@ def route_costs(
     elif euclidean:
         gram += B * _tri_work(L, min(TRI_ROWS, L)) * dd
     # V is kept for the final sum only if it fits the budget (float32); else the final gradient is one more GEMM.
-    fits = B * d_out * (d_in + (S if fisher else 0)) * 4 <= budget_bytes
+    fits = _v_rows_per_chunk(B, d_in, d_out, S if fisher else 0, 4, budget_bytes) >= d_out
     passes = MAT_PASSES_OVER_V - (not (euclidean or ntk)) - (not fits)  # write; e^2 or K read; final-sum read
     mat = (passes * macs_per_float + (euclidean and not ntk)) * B * d_in * d_out  # with K, e^2 = diag K
     mat += B * S * d_in * d_out if fisher else 0.0
@@ -217,7 +222,7 @@ def _gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, 
     rows give u[:, j] = 0, leaving the numerator exact). `index_select` into the padded buffer: advanced indexing
     plus `cat` measured 10x slower on CPU (2.3 + 3.4 ms vs 0.25 ms for 250 rows of 4864)."""
     n, d = index.numel(), T.shape[-1]
-    rows = -(-n // SAMPLE_MULTIPLE) * SAMPLE_MULTIPLE
+    rows = gathered_rows(n)
     out = T.new_empty(rows, d) if scratch is None else scratch.get(slot, (rows, d), T.dtype, T.device)
     if rows > n:
         out[n:].zero_()
@@ -252,6 +257,12 @@ def _row_gram(Vf: torch.Tensor) -> torch.Tensor:
 
 def _rows_per_chunk(row_bytes: int, budget_bytes: int, total: int) -> int:
     return max(1, min(total, budget_bytes // max(row_bytes, 1)))
+
+
+def _v_rows_per_chunk(B: int, d_in: int, d_out: int, S: int, item: int, budget_bytes: int) -> int:
+    """Output rows of V per "mat" chunk: each row costs (B, d_in) of V plus (B, S) of V a_J. V is kept for the final
+    gradient iff this is d_out (one chunk); `route_costs` prices the same decision."""
+    return _rows_per_chunk(B * (d_in + S) * item, budget_bytes, d_out)
 
 
 def _gram(X, G, XJ, GJ, ntk, budget, euclidean=True):
@@ -301,7 +312,7 @@ def _mat(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True):
     item = X.element_size()
     # Per d_out row: the V chunk (B, c, d_in) and, for the Fisher numerator, Y = V a_J (B, c, S).
     S = XJ.shape[0] if XJ is not None else 0
-    step = _rows_per_chunk(B * (d_in + S) * item, budget, d_out)
+    step = _v_rows_per_chunk(B, d_in, d_out, S, item, budget)
     # u[i, j] = sum_o g_j[o] (V_i a_j)[o] contracts the longer of (c, d_in) in one 2-D GEMM: with c > d_in, V is
     # stored transposed, V^T (B, d_in, c), so that (B d_in, c) @ (c, S) reads it in place (the (B, c, d_in) layout
     # needed a transposed copy of V per chunk; a broadcast (S, c) @ (B, c, d_in) ran 1.2-1.4x slower).

@@ -221,9 +221,9 @@ def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
 PROBE_WIDTH = 16
 
 
-def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb):
-    """ms per call (list over `repeats` alternated rounds) of autograd's weight (+ bias) gradient ("plain") and of
-    ISOPO's `layer_grads` for each variant, on the same random inputs and padding mask."""
+def _layer_runs(mask, d_in, d_out, bias, variant_settings, mb) -> dict:
+    """{"plain": autograd's weight (+ bias) gradient, variant: ISOPO's `layer_grads`}, callables on the same random
+    inputs and padding mask."""
     from trl_isopo.isopo.linear import ISOPOContext
 
     B, L = mask.shape
@@ -252,7 +252,44 @@ def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb):
             return out
 
         runs[v] = run
+    return runs
+
+
+def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb):
+    """ms per call (list over `repeats` alternated rounds) of each of `_layer_runs`."""
+    runs = _layer_runs(mask, d_in, d_out, bias, variant_settings, mb)
     return {k: [1e3 * t for t in ts] for k, ts in interleaved_times(runs, repeats).items()}
+
+
+def profile_layer(mask, d_in, d_out, variant_settings, rows: int = 15) -> None:
+    """One layer shape, each variant: tensor ops dispatched per `layer_grads` call, and torch's profiler table (self
+    CPU time per op and input shape, 20 calls after a warm-up): where a layer call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trl_isopo.isopo.linear import MicroBatch
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    mb = MicroBatch(mask=mask.bool(), advantages=torch.randn(mask.shape[0], generator=torch.Generator().manual_seed(1)))
+    for name, run in _layer_runs(mask, d_in, d_out, False, variant_settings, mb).items():
+        for _ in range(3):
+            run()
+        with CountOps() as ops:
+            run()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(20):
+                run()
+        print(f"\n# {d_in}->{d_out} {name}: {ops.n} tensor ops per call; profile of 20 calls")
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
+                                                                 max_name_column_width=28, max_shapes_column_width=60))
 
 
 def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_ms=None):
@@ -320,6 +357,8 @@ def main(argv=None):
     ap.add_argument("--malloc", default="cached", choices=["cached", "system"],
                     help="CPU only: cached (default) re-runs under MALLOC_MMAP_MAX_=0 / MALLOC_TRIM_THRESHOLD_ so that "
                     "freed memory is reused as CUDA's caching allocator would; system: the stock glibc allocator")
+    ap.add_argument("--profile-layer", metavar="D_IN,D_OUT",
+                    help="instead of the tables: profile one covered-layer shape (ops per call, per-op times)")
     args = ap.parse_args(argv)
     if args.malloc == "cached" and not torch.cuda.is_available() and os.environ.get("MALLOC_MMAP_MAX_") != "0":
         env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(2**46))
@@ -329,6 +368,14 @@ def main(argv=None):
     from trl_isopo.isopo.linear import ISOPOSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.profile_layer:
+        d_in, d_out = (int(n) for n in args.profile_layer.split(","))
+        batch = make_batch(args.batch, args.seq, args.vocab, device)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, B={args.batch} "
+              f"T={args.seq}, malloc {args.malloc if device == 'cpu' else 'cuda caching'}")
+        profile_layer(mask, d_in, d_out, {v: ISOPOSettings(**VARIANTS[v]) for v in args.variants.split(",")})
+        return 0
     print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
           f"B={args.batch} T={args.seq} vocab={args.vocab}, isopo_other_params={args.other_params}, "
           f"{args.repeats} interleaved repeats, malloc {args.malloc if device == 'cpu' else 'cuda caching'}")

@@ -23,3 +23,13 @@ def test_isopo_overhead_benchmark_smoke():
         assert counted > 0 and counted == modelled, row
         assert any(f"| small all covered layers | {variant} |" in line and "implied step ratio" in line
                    for line in lines), out.stdout
+
+
+def test_isopo_overhead_benchmark_profiles_one_layer_shape():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "isopo_overhead.py"), "--profile-layer", "24,8", "--seq", "32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in ("plain", "p=-1", "q=-1", "interacting"):
+        (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"# 24->8 {name}: ")]
+        assert int(line.split(": ")[1].split()[0]) > 0, line
+    assert "aten::bmm" in out.stdout  # the profiler's per-op table of the ISOPO calls

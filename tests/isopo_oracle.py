@@ -134,22 +134,34 @@ def per_sequence_data(trainer, inputs):
 
 
 def R(x, mu, c):
-    return x.abs() if c == 0 else torch.sqrt(x**2 / (c * mu + 1e-8) + 1)
+    """The regularized magnitude without the reference's absolute "+ 1e-8" (docs/isopo.md, scale-free coefficients):
+    x = 0 gives R = 1 (c > 0)."""
+    if c == 0:
+        return x.abs()
+    return torch.sqrt(torch.where(x > 0, x**2 / (c * mu), 0.0) + 1)
 
 
 def dense_weights(V, X, G, sample, A, p, q, r, c, mu=None):
-    """w_i = A_i / (R(e)^-q R(f)^-p R(rho)^-r + 1e-8) from explicit V (B, d_out, d_in) and flat token sample J."""
+    """w_i = A_i / (R(e)^-q R(f)^-p R(rho)^-r) from explicit V (B, d_out, d_in) and flat token sample J.
+
+    No absolute guards (the reference adds 1e-8 to the denominator and 1e-12 inside the Fisher denominator and to e):
+    with c = 0 an exact zero statistic gives w_i = 0. mu (c > 0) is in the units of the statistics of V as given."""
     B = V.shape[0]
     Xf, Gf = X.reshape(-1, X.shape[-1]), G.reshape(-1, G.shape[-1])
     e = torch.stack([V[i].norm() for i in range(B)])
     u = torch.stack([torch.stack([Gf[j] @ V[i] @ Xf[j] for j in sample.tolist()]) for i in range(B)])
-    den = math.sqrt(sum((Gf[j].norm() * Xf[j].norm() + 1e-12).item() ** 2 for j in sample.tolist()))
-    f = u.norm(dim=1) / den
-    rho = f / (e + 1e-12)
+    den = math.sqrt(sum((Gf[j].norm() * Xf[j].norm()).item() ** 2 for j in sample.tolist()))
+    f = u.norm(dim=1) / den if den > 0 else torch.zeros_like(e)
+    rho = torch.where(e > 0, f / e, 0.0)
     stats = {"e": e, "f": f, "rho": rho}
     mu = mu or {k: v**2 for k, v in stats.items()}  # first step: each sequence by its own x^2
     denom = R(e, mu["e"], c) ** (-q) * R(f, mu["f"], c) ** (-p) * R(rho, mu["rho"], c) ** (-r)
-    return A.double() / (denom + 1e-8), stats
+    zero = torch.zeros_like(e, dtype=torch.bool)
+    if c == 0:
+        for x, ex in ((e, q), (f, p), (rho, r)):
+            if ex != 0:
+                zero |= x == 0
+    return torch.where(zero | (denom == 0), 0.0, A.double() / denom), stats
 
 
 def rel_err(got, expected):

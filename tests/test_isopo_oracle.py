@@ -72,7 +72,11 @@ def test_isopo_matches_oracle(setup, knobs, sample_mode, route):
         mus[n] = {k: float((v**2).mean()) * (0.3 + 0.2 * i) for k, v in stats.items()}
         w, _ = dense_weights(data["V"][n], data["X"][n], data["G"][n], samples[n], A, knobs["p"], knobs["q"], knobs["r"], knobs["reg"], mus[n])
         expected[n] = w
-    ctx.ema.ema = {f"{n}/{k}": v for n, d in mus.items() for k, v in d.items()}
+    # The trainer's regularizer sees the statistics times the loss normalizer (bnpo, GA = 1: the completion tokens),
+    # so the EMA history is stored in those units: e and f scale with it, rho does not.
+    n_tok = float(inputs["completion_mask"].sum())
+    units = {"e": n_tok**2, "f": n_tok**2, "rho": 1.0}
+    ctx.ema.ema = {f"{n}/{k}": v * units[k] for n, d in mus.items() for k, v in d.items()}
     ctx.sample_override = samples
     try:
         got = isopo_grads(trainer, inputs)
@@ -145,7 +149,8 @@ def test_interacting_matches_dense_solve(setup):
             V = data["V"][n].reshape(len(A), -1)
             K = V @ V.T
             lams[n] = 0.7 * float(torch.diagonal(K).mean()) * (0.5 + 0.3 * i)  # c_K * EMA(mean eigenvalue)
-        ctx.ema.ema = {f"{n}/ntk": lams[n] / 0.7 for n in covered}
+        n_tok = float(inputs["completion_mask"].sum())  # K in the normalization-free units: times n_tok^2
+        ctx.ema.ema = {f"{n}/ntk": lams[n] / 0.7 * n_tok**2 for n in covered}
         try:
             got = isopo_grads(trainer, inputs)
         finally:
@@ -155,7 +160,7 @@ def test_interacting_matches_dense_solve(setup):
         for n in covered:
             V = data["V"][n]
             K = V.reshape(len(A), -1) @ V.reshape(len(A), -1).T
-            alpha = lams[n] * torch.linalg.solve(K + (lams[n] + 1e-8) * torch.eye(len(A), dtype=K.dtype), A)
+            alpha = lams[n] * torch.linalg.solve(K + lams[n] * torch.eye(len(A), dtype=K.dtype), A)
             assert rel_err(got[f"{n}.weight"], torch.einsum("b,boi->oi", alpha, V)) < TOL, (route, n)
 
 
@@ -171,14 +176,15 @@ def test_first_step_ema_semantics_and_update(setup):
     A = inputs["advantages"].double()
     for n in trainer.isopo_coverage["covered"]:
         w, stats = dense_weights(data["V"][n], data["X"][n], data["G"][n], valid, A, -1.0, 0, 0, 1.0, mu=None)
-        # mu = own f^2, so R = sqrt(f^2 / (f^2 + 1e-8) + 1): sqrt(2) up to the eps guard.
+        # mu = own f^2, so R = sqrt(f^2 / f^2 + 1) = sqrt(2) exactly (no absolute guard)
         nz = A != 0
-        assert torch.allclose(w[nz] / A[nz], torch.full_like(w[nz], 2**-0.5), rtol=0.05)
+        assert torch.allclose(w[nz] / A[nz], torch.full_like(w[nz], 2**-0.5), rtol=1e-12)
         assert rel_err(got[f"{n}.weight"], torch.einsum("b,boi->oi", w, data["V"][n])) < TOL, n
     ctx.ema.end_step()
+    n_tok = float(inputs["completion_mask"].sum())  # the EMA holds the normalization-free statistic: f * n_tok
     for n in trainer.isopo_coverage["covered"]:
         _, stats = dense_weights(data["V"][n], data["X"][n], data["G"][n], valid, A, -1.0, 0, 0, 0.0)
-        assert ctx.ema.ema[f"{n}/f"] == pytest.approx(float((stats["f"] ** 2).mean()), rel=1e-12)
+        assert ctx.ema.ema[f"{n}/f"] == pytest.approx(float((stats["f"] ** 2).mean()) * n_tok**2, rel=1e-12)
         assert f"{n}/e" not in ctx.ema.ema  # q = 0: the Euclidean statistic is not regularized, not tracked
     ctx.ema.ema = {}
 

@@ -65,7 +65,9 @@ def test_train_changes_parameters_and_logs_metrics(tiny_model_dir, tiny_tokenize
     elif variant.get("isopo_p", -1.0) != 0 or variant.get("isopo_r", 0.0) != 0:
         assert all("isopo/fisher_norm" in h for h in logs)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    assert trainer.isopo_context.ema.ema  # statistics were folded into the EMA
+    if variant.get("isopo_reg", 1.0) > 0:
+        assert trainer.isopo_context.ema.ema  # statistics were folded into the EMA (c = 0 keeps none)
+    assert all("isopo/scale_spread" in h for h in logs)
 
 
 @pytest.mark.parametrize("interacting", [False, True])
@@ -137,7 +139,9 @@ def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, t
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (dict(beta=0.04), "beta=0"),
+        (dict(beta=-0.1), "beta"),
+        (dict(beta=0.04, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
+        (dict(isopo_reg_reference="mean"), "isopo_reg_reference"),
         (dict(entropy_coef=0.01), "entropy"),
         (dict(loss_type="cispo"), "loss_type"),
         (dict(isopo_reg=-1.0), "isopo_reg"),
@@ -178,13 +182,18 @@ def test_model_card_tags_and_citation(tiny_model_dir, tiny_tokenizer, tmp_path):
         assert text in card, text
 
 
-def test_resume_from_checkpoint_is_bit_exact(tiny_model_dir, tiny_tokenizer, tmp_path):
-    """4 steps straight == 2 steps, save (incl. EMA statistics), resume for 2 more."""
-    common = dict(max_steps=4, isopo_reg=1.0, save_strategy="steps", save_steps=2, learning_rate=3e-2)
+@pytest.mark.parametrize("reference", ["ema_mean", "ema_median", "batch_median"])
+def test_resume_from_checkpoint_is_bit_exact(tiny_model_dir, tiny_tokenizer, tmp_path, reference):
+    """4 steps straight == 2 steps, save (incl. EMA statistics), resume for 2 more; for every reference point."""
+    common = dict(
+        max_steps=4, isopo_reg=1.0, save_strategy="steps", save_steps=2, learning_rate=3e-2, isopo_reg_reference=reference
+    )
     straight, _, _ = run(tiny_model_dir, tiny_tokenizer, config(tmp_path / "a", **common))
     ckpt = tmp_path / "a" / "out" / "checkpoint-2"
     state = json.load(open(ckpt / "isopo_state.json"))
-    assert state["ema"]["ema"] and state["ema"]["decay"] == 0.9
+    assert state["ema"]["decay"] == 0.9
+    assert bool(state["ema"]["ema"]) == (reference != "batch_median")  # batch_median keeps no history
+    assert all(k.endswith("@median") == (reference == "ema_median") for k in state["ema"]["ema"])
     resumed = ISOPOTrainer(
         tiny_model_dir, tiny_reward, args=config(tmp_path / "b", **common), train_dataset=tiny_prompt_dataset(32),
         processing_class=tiny_tokenizer,

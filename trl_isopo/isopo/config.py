@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .other_params import OTHER_PARAMS_MODES
+from .reweight import REG_REFERENCES
 from .routes import ROUTES
 
 # Loss types whose *normalization* ISOPO reuses for its advantage-free surrogate. The others differ from these by
@@ -25,8 +26,15 @@ class ISOPOConfig(GRPOConfig):
 
         A_i * R(f_i)^p * R(e_i)^q * R(f_i / e_i)^r,       R(x) = sqrt(x^2 / (c * mu_x) + 1)  (c > 0),  |x|  (c = 0),
 
-    with f_i its Fisher-norm estimate, e_i its Euclidean norm and mu_x an EMA of the batch mean of x^2. With
+    with f_i its Fisher-norm estimate, e_i its Euclidean norm and mu_x a reference point for x^2 (by default an EMA of
+    the batch mean of x^2, see `isopo_reg_reference`). For c > 0 the statistics are taken of the un-normalized
+    per-sequence gradients (times the loss normalizer) and there is no absolute guard, so the coefficients do not
+    depend on the token count, gradient accumulation, process count, loss_type or any constant factor on V. With
     `isopo_interacting=True` the coefficients are lam (K + lam I)^-1 A instead, K_ik = <V_i, V_k>.
+
+    `beta > 0` adds TRL's k3 KL-to-reference term (as GRPO computes it) as an ordinary gradient, not re-weighted by
+    ISOPO: it costs one extra backward pass over the same forward graph (no second forward) and one gradient-sized
+    buffer.
 
     Parameters:
         isopo_p (`float`, *optional*, defaults to `-1.0`):
@@ -37,8 +45,15 @@ class ISOPOConfig(GRPOConfig):
             Exponent r of the ratio Fisher / Euclidean (paper Fig. 6: p=0, q=-1, r=-2 with c=0).
         isopo_reg (`float`, *optional*, defaults to `1.0`):
             Regularization factor c ("keep small invariant"). `0` gives pure normalization R(x) = |x|.
+        isopo_reg_reference (`str`, *optional*, defaults to `"ema_mean"`):
+            The reference point mu_x of the regularizer (c > 0), per layer and statistic: `"ema_mean"` (the
+            reference implementation's rule: EMA over previous optimizer steps of the step mean of x^2; each sequence's
+            own x^2 on the first step), `"ema_median"` (EMA over previous steps of the step's median of x^2, robust to
+            a few large-norm sequences; the current micro-batch's median on the first step) or `"batch_median"` (the
+            current micro-batch's median of x^2, no history). Medians are over sequences with a nonzero gradient in
+            the layer.
         isopo_reg_ema_decay (`float`, *optional*, defaults to `0.9`):
-            Decay of the EMA over previous optimizer steps of the batch mean of x^2 (per layer and statistic).
+            Decay of the EMA over previous optimizer steps (reference points `"ema_mean"` and `"ema_median"`).
         isopo_fisher_tokens (`int`, *optional*, defaults to `250`):
             Size of the token sample J of the Fisher estimate, drawn from all valid positions of the micro-batch;
             `0` uses all tokens. Seeded from `seed`, the process index and the step, so runs are reproducible.
@@ -68,8 +83,16 @@ class ISOPOConfig(GRPOConfig):
         default=1.0,
         metadata={"help": "Regularization factor c in R(x) = sqrt(x^2/(c*mu_x) + 1); 0 = pure normalization |x|."},
     )
+    isopo_reg_reference: str = field(
+        default="ema_mean",
+        metadata={
+            "help": "Reference point mu_x of the regularizer: ema_mean (EMA of the step mean of x^2, the reference "
+            "implementation's), ema_median (EMA of the step median) or batch_median (the micro-batch median).",
+            "choices": list(REG_REFERENCES),
+        },
+    )
     isopo_reg_ema_decay: float = field(
-        default=0.9, metadata={"help": "EMA decay (over optimizer steps) of the batch mean of x^2 used as mu_x."}
+        default=0.9, metadata={"help": "EMA decay (over optimizer steps) of the statistic used as mu_x."}
     )
     isopo_fisher_tokens: int = field(
         default=250, metadata={"help": "Token sample size |J| for the Fisher-norm estimate; 0 = all tokens."}
@@ -107,6 +130,8 @@ class ISOPOConfig(GRPOConfig):
         errors = []
         if self.isopo_reg < 0:
             errors.append(f"isopo_reg must be >= 0 (got {self.isopo_reg}).")
+        if self.isopo_reg_reference not in REG_REFERENCES:
+            errors.append(f"isopo_reg_reference must be one of {REG_REFERENCES} (got {self.isopo_reg_reference!r}).")
         if not 0.0 <= self.isopo_reg_ema_decay < 1.0:
             errors.append(f"isopo_reg_ema_decay must be in [0, 1) (got {self.isopo_reg_ema_decay}).")
         if self.isopo_fisher_tokens < 0:
@@ -130,8 +155,13 @@ class ISOPOConfig(GRPOConfig):
                 f"loss_type={self.loss_type!r} is a ratio transform ISOPO does not use; choose a normalization from "
                 f"{ISOPO_LOSS_TYPES} (default 'bnpo', the reference's token mean)."
             )
-        if self.beta != 0.0:
-            errors.append(f"ISOPO has no KL-to-reference term: set beta=0 (got {self.beta}).")
+        if self.beta < 0.0:
+            errors.append(f"beta (the KL-to-reference coefficient) must be >= 0 (got {self.beta}).")
+        if self.beta != 0.0 and self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            errors.append(
+                "beta > 0 back-propagates the KL term in a separate torch.autograd.grad pass, which reentrant gradient "
+                "checkpointing does not support: set gradient_checkpointing_kwargs={'use_reentrant': False}."
+            )
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             errors.append("ISOPO does not support an entropy bonus: set entropy_coef=0 and use_adaptive_entropy=False.")
         if self.top_entropy_quantile < 1.0:

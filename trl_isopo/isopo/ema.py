@@ -1,14 +1,17 @@
 """EMA of per-layer batch statistics, with the reference's fixed (non-cumulative) semantics (`isopo-spec.md` §2.2).
 
-For each (layer, statistic) the regularizer uses mu = EMA over *previous* optimizer steps of the step's mean of x^2.
+For each (layer, statistic) the regularizer uses mu = EMA over *previous* optimizer steps of the step's mean of x^2
+(`isopo_reg_reference="ema_mean"`; with "ema_median" the per-micro-batch medians of x^2 are averaged instead, under
+their own keys "<stat>@median").
 Before any history exists, each sequence is regularized by its own x^2. At the end of every optimizer step the values
 accumulated during that step (over all micro-batches and, after an all-reduce, all processes) are averaged into
 `cur`; then `ema = cur` the first time, else `decay * ema + (1 - decay) * cur`; the accumulators are cleared.
 
 Deviation from the reference (documented in docs/isopo.md): a step mean that is zero or not finite carries no
 scale information (all-zero gradients, e.g. PEFT's lora_A while lora_B = 0, or an overflow), so it is not folded:
-folding a 0 would make R(x) = sqrt(x^2 / 1e-8 + 1) on the next step (and lam = 0, i.e. a zero gradient, in the
-interacting variant); folding inf / NaN would poison the EMA for good. Skipped folds are counted in `skipped`.
+folding a 0 would make mu = 0 on the next step (every nonzero x would then get R = inf, i.e. coefficient 0; the
+reference's absolute guard made it R(x) = sqrt(x^2 / 1e-8 + 1)); folding inf / NaN would poison the EMA for good.
+Skipped folds are counted in `skipped`. Entries with weight 0 (`accumulate`) are left out of the step mean.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class EMAStatistics:
         self.decay = decay
         self.ema: dict[str, float] = {}
         # This step's values, reduced once in `end_step`: the backward only appends (no tensor ops, no host sync).
-        self._pending: list[tuple[str, torch.Tensor]] = []
+        self._pending: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         self.skipped = 0
 
     @staticmethod
@@ -40,23 +43,31 @@ class EMAStatistics:
         value = self.ema.get(self.key(layer, stat))
         return current if value is None else value
 
-    def accumulate(self, layer: str, stat: str, values: torch.Tensor) -> None:
-        """Add the (B,) values of one micro-batch (x^2 per sequence, or one value per micro-batch)."""
-        self._pending.append((self.key(layer, stat), values.detach().reshape(-1)))
+    def accumulate(self, layer: str, stat: str, values: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add the (B,) values of one micro-batch (x^2 per sequence, or one value per micro-batch).
+
+        `weights` (same shape, 0 or 1; default all 1) leave entries out of the step mean without a host sync, e.g. the
+        median of a micro-batch whose every x is 0 (NaN, passed as value 0 with weight 0).
+        """
+        values = values.detach().reshape(-1)
+        self._pending.append((self.key(layer, stat), values, None if weights is None else weights.detach().reshape(-1)))
 
     def step_sums(self) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """(sorted keys, float64 sums, float64 counts) of this step's accumulated values, one segment sum for all."""
-        keys = sorted({k for k, _ in self._pending})
+        keys = sorted({k for k, _, _ in self._pending})
         if not keys:
             return [], torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)
         slot = {k: i for i, k in enumerate(keys)}
-        slots = torch.tensor([slot[k] for k, _ in self._pending])
-        sizes = torch.tensor([v.numel() for _, v in self._pending], dtype=torch.float64)
-        values = torch.cat([v for _, v in self._pending]).to("cpu", torch.float64)
-        sums = torch.zeros(len(keys), dtype=torch.float64).index_add_(
-            0, torch.repeat_interleave(slots, sizes.long()), values
-        )
-        counts = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, slots, sizes)
+        sizes = torch.tensor([v.numel() for _, v, _ in self._pending])
+        slots = torch.repeat_interleave(torch.tensor([slot[k] for k, _, _ in self._pending]), sizes)
+        # One device-to-host copy for all values and weights (each copy is a host sync on accelerators).
+        both = torch.cat(
+            [torch.stack([v.double(), torch.ones_like(v, dtype=torch.float64) if w is None else w.double()]) for _, v, w in self._pending],
+            dim=1,
+        ).cpu()
+        values, weights = both[0], both[1]
+        sums = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, slots, values * weights)
+        counts = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, slots, weights)
         return keys, sums, counts
 
     def discard_step(self) -> None:

@@ -40,6 +40,8 @@ import torch
 from packaging.version import Version
 from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS, TOKEN_CHUNK_SIZE
 
+from .plain import plain_backward_active
+
 # `torch.addmm(..., out_dtype=torch.float32)` from bf16/fp16 inputs exists on CUDA from torch 2.8
 _MM_OUT_DTYPE = Version(torch.__version__) >= Version("2.8.0")
 
@@ -230,6 +232,8 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
         grad_logprobs = grad_logprobs.float() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float() if grad_entropy is not None else None
         scale = row_scale.detach().to(device=dev, dtype=f32)
+        if plain_backward_active():  # an ordinary gradient (ISOPO's KL term): rows are not scaled
+            scale = torch.ones_like(scale)
 
         with maybe_gather_lm_head_ctx(weight, bias):
             vocab = weight.shape[0]

@@ -16,11 +16,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .ema import EMAStatistics
+from .plain import plain_backward_active
 from .reweight import (
+    REG_REFERENCES,
     fisher_norm,
     interacting_coefficients,
     isopo_sequence_scales,
     isopo_sequence_weights,
+    nonzero_median,
     relative_overlap,
 )
 from .routes import DEFAULT_BUDGET_BYTES, Scratch, reweighted_weight_grad, sequence_statistics
@@ -34,6 +37,7 @@ class ISOPOSettings:
     q: float = 0.0
     r: float = 0.0
     reg: float = 1.0
+    reg_reference: str = "ema_mean"
     ema_decay: float = 0.9
     fisher_tokens: int = 250
     interacting: bool = False
@@ -41,6 +45,10 @@ class ISOPOSettings:
     route: str = "auto"
     budget_bytes: int = DEFAULT_BUDGET_BYTES
     seed: int = 0
+
+    def __post_init__(self):
+        if self.reg_reference not in REG_REFERENCES:
+            raise ValueError(f"reg_reference must be one of {REG_REFERENCES}, got {self.reg_reference!r}")
 
     @property
     def needs_fisher(self) -> bool:
@@ -63,6 +71,11 @@ class MicroBatch:
     advantages: (B,) per-sequence advantages A_i.
     seed: seeds the Fisher token samples of this micro-batch (one stream per layer).
     logits_to_keep: completion length C (the fused LM head scores the last C positions).
+    stat_scale: (B,) or None: the loss normalizer n_i of each sequence, i.e. the backward seed of sequence i is
+        -mask / n_i (bnpo: completion tokens x GA; see `ISOPOTrainer._isopo_loss_normalizer`). The regularizer's
+        statistics are multiplied by it (K by n_i n_k), so that they are those of the un-normalized per-sequence
+        gradient -grad sum_t log pi: the reference point mu (an EMA over steps) is then comparable across steps
+        whose token count, accumulation or loss_type differ. None = 1.
     """
 
     mask: torch.Tensor
@@ -71,6 +84,7 @@ class MicroBatch:
     logits_to_keep: int = 0
     valid_index: torch.Tensor | None = None  # flat indices of valid positions (computed once, not per layer)
     padding_index: torch.Tensor | None = None  # flat indices of padding positions (idem)
+    stat_scale: torch.Tensor | None = None
     # Per-dtype cast advantages, made by the first layer that needs them.
     _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -98,6 +112,15 @@ class MicroBatch:
         key = ("A", like.device, like.dtype)
         if key not in self._derived:
             self._derived[key] = self.advantages.to(device=like.device, dtype=like.dtype)
+        return self._derived[key]
+
+    def stat_scale_as(self, like: torch.Tensor) -> torch.Tensor | None:
+        """`stat_scale` (B,) on the device and in the dtype of `like`, or None."""
+        if self.stat_scale is None:
+            return None
+        key = ("n", like.device, like.dtype)
+        if key not in self._derived:
+            self._derived[key] = self.stat_scale.to(device=like.device, dtype=like.dtype).reshape(-1)
         return self._derived[key]
 
 
@@ -183,30 +206,38 @@ class ISOPOContext:
         )
         # Few, small tensor ops per layer call: each is a kernel launch (GPU) or ~3 us of dispatch (CPU), paid by
         # every covered layer; metrics and EMA sums are reduced once per step instead (`step_metrics`, `end_step`).
+        # The coefficients see the statistics times the loss normalizer n (`MicroBatch.stat_scale`); the records
+        # (metrics) keep those of the back-propagated V_i.
+        n = mb.stat_scale_as(X)
         e2 = None if stats.e2 is None else stats.e2.clamp_min(0)
         e = None if e2 is None else e2.sqrt()
         if s.interacting:
-            mean_eig = e2.mean()  # trace(K) / B
+            K = stats.ntk if n is None else stats.ntk * (n.unsqueeze(1) * n.unsqueeze(0))
+            mean_eig = torch.diagonal(K).mean()  # trace(K) / B
             lam = s.interacting_reg * self.ema.mu(name, "ntk", mean_eig)
-            w = interacting_coefficients(stats.ntk, A, lam).to(dt)
+            w = interacting_coefficients(K, A, lam).to(dt)
             self.ema.accumulate(name, "ntk", mean_eig)
             self.lambdas.append(lam)
             f = rho = e  # placeholders in the record (not reported)
             scale = w
         else:
-            f2 = f = rho = None
+            f = rho = None
             if s.needs_fisher:
                 f = fisher_norm(stats.fisher_num, stats.fisher_den)
-                f2 = f * f
             if s.r != 0:
                 rho = relative_overlap(f, e)
-            squares = {"e": (e2, s.q), "f": (f2, s.p), "rho": (None if rho is None else rho * rho, s.r)}
-            mu = {k: self.ema.mu(name, k, v2) for k, (v2, ex) in squares.items() if ex != 0}
-            scale = isopo_sequence_scales(e, f, rho, mu, s.p, s.q, s.r, s.reg)
+            if s.reg > 0:
+                # Degree 0 in the statistics: the normalizer n only matters for the reference point's history.
+                en = e if (e is None or n is None) else e * n
+                fn = f if (f is None or n is None) else f * n
+                used = {k: v for k, v, ex in (("e", en, s.q), ("f", fn, s.p), ("rho", rho, s.r)) if ex != 0}
+                mu = {k: self.reference_point(name, k, v * v) for k, v in used.items()}
+                scale = isopo_sequence_scales(en, fn, rho, mu, s.p, s.q, s.r, s.reg)
+            else:
+                # Pure normalization: the coefficient is homogeneous of degree p + q in V, the update sum_i w_i V_i
+                # of degree 1 + p + q (0 for the named settings), so V's own scale is kept: no EMA, no normalizer.
+                scale = isopo_sequence_scales(e, f, rho, {}, s.p, s.q, s.r, 0.0)
             w = isopo_sequence_weights(A, scale)
-            for k, (v2, ex) in squares.items():
-                if ex != 0:
-                    self.ema.accumulate(name, k, v2)
             e = f if e is None else e  # p alone: f > 0 marks the sequences with a nonzero layer gradient
             f = e if f is None else f
             rho = e if rho is None else rho
@@ -218,6 +249,39 @@ class ISOPOContext:
         gw, gb = reweighted_weight_grad(X, G, w, stats)
         return gw, (gb if has_bias else None)
 
+    def reference_point(self, name: str, stat: str, x2: torch.Tensor) -> torch.Tensor | float:
+        """mu for statistic `stat` of layer `name` from this micro-batch's x^2 (B,) (`isopo_reg_reference`).
+
+        ema_mean: EMA over previous steps of the step mean of x^2; each sequence's own x^2 before any history (the
+            reference implementation's rule: the first step is uniform, R = sqrt(1 / c + 1)).
+        ema_median: EMA over previous steps of the step's median of x^2, taken as the mean over the step's
+            micro-batches (and processes) of each micro-batch's median over sequences with x > 0; before any
+            history, the current micro-batch's median.
+        batch_median: the current micro-batch's median of x^2 over sequences with x > 0 (no history).
+        Medians are on-device (no host sync); a micro-batch whose every x is 0 has no median (NaN, not folded).
+        """
+        ref = self.settings.reg_reference
+        if ref == "ema_mean":
+            mu = self.ema.mu(name, stat, x2)
+            self.ema.accumulate(name, stat, x2)
+            return mu
+        med = nonzero_median(x2)
+        if ref == "batch_median":
+            return med
+        key = f"{stat}@median"
+        has = ~torch.isnan(med)
+        self.ema.accumulate(name, key, torch.where(has, med, 0.0), has.to(med.dtype))
+        return self.ema.mu(name, key, med)
+
+    def plain_grads(self, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
+        """Ordinary weight (and bias) gradient G^T X of one layer, padding rows of both operands dropped (they may
+        hold NaN). x: (B, L, d_in), g: (B, L, d_out). Used inside `plain.plain_backward()` (no statistics)."""
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        X, G = self.masked_input(x, mb, dt), mb.zero_padding(g, dt)
+        d_in, d_out = X.shape[-1], G.shape[-1]
+        gw = G.reshape(-1, d_out).T @ X.reshape(-1, d_in)
+        return gw, (G.sum((0, 1)) if has_bias else None)
+
     def step_metrics(self) -> dict[str, tuple[float, float]]:
         """{metric: (sum over layer calls, number of layer calls)} of this step's records; clears them.
 
@@ -225,7 +289,11 @@ class ISOPOContext:
         rel_overlap are means over the micro-batch's sequences;
         scale_mean / scale_std the mean and std of the per-sequence scale (the coefficient over the advantage; 1 =
         REINFORCE) over sequences with a nonzero layer gradient (and, interacting, a nonzero advantage);
-        nonfinite_coefficients counts dropped coefficients; ntk_lambda is lam (interacting).
+        scale_spread the coefficient of variation scale_std / scale_mean of the same sequences (a layer call with
+        fewer than 2 such sequences or a zero mean is left out): ~0 means the layer's update is REINFORCE times a
+        per-layer constant;
+        nonfinite_coefficients counts dropped coefficients; ntk_lambda is lam (interacting), in the units of the
+        normalization-free kernel (`MicroBatch.stat_scale`).
         """
         s = self.settings
         out = {}
@@ -242,6 +310,9 @@ class ISOPOContext:
             mean = torch.where(keep, scale, 0.0).sum(1) / n_keep
             std = (torch.where(keep, (scale - mean.unsqueeze(1)) ** 2, 0.0).sum(1) / n_keep).sqrt()
             parts = {"scale_mean": mean, "scale_std": std}
+            spread_ok = (keep.sum(1) >= 2) & (mean != 0) & torch.isfinite(std / mean)
+            if bool(spread_ok.any()):
+                parts["scale_spread"] = (std / mean).abs()[spread_ok]
             if s.needs_euclidean:
                 parts["euclidean_norm"] = e.mean(1)
             if s.needs_fisher:
@@ -288,7 +359,10 @@ class ISOPOLinearFunction(torch.autograd.Function):
         grad_x = g.to(weight.dtype) @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad_b = None
         if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
-            gw, gb = ctx.context.layer_grads(ctx.name, x, g, ctx.mb, ctx.has_bias)
+            if plain_backward_active():  # an ordinary gradient (the KL term): no re-weighting, no statistics
+                gw, gb = ctx.context.plain_grads(x, g, ctx.mb, ctx.has_bias)
+            else:
+                gw, gb = ctx.context.layer_grads(ctx.name, x, g, ctx.mb, ctx.has_bias)
             grad_w = gw.to(ctx.param_dtypes[0]) if ctx.needs_input_grad[1] else None
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = gb.to(ctx.param_dtypes[1])

@@ -23,22 +23,31 @@ import torch
 import torch.nn as nn
 
 from .fused_head import RowScaledChunkedLogProb
+from .plain import plain_backward_active
 
 OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
 
 
 class RowScale(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient of row b (dim 0) by scale[b]. y: (B, ...), scale: (B,)."""
+    """Identity forward; backward multiplies the gradient of row b (dim 0) by scale[b]. y: (B, ...), scale: (B,).
+
+    Inside `plain.plain_backward()` (the KL term's ordinary gradient) the gradient is multiplied by the constant
+    `plain` instead: 1 where the row-scaled branch is the module's only output, 0 for the correction branch
+    y_theta - sg(y_theta), so that the parameter receives its ordinary gradient exactly once.
+    """
 
     @staticmethod
-    def forward(ctx, y, scale):
+    def forward(ctx, y, scale, plain: float = 1.0):
         ctx.save_for_backward(scale)
+        ctx.plain = plain
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, g):
+        if plain_backward_active():
+            return (g if ctx.plain == 1.0 else g * ctx.plain), None, None
         (scale,) = ctx.saved_tensors
-        return g * scale.to(g.dtype).view(-1, *([1] * (g.dim() - 1))), None
+        return g * scale.to(g.dtype).view(-1, *([1] * (g.dim() - 1))), None, None
 
 
 def _detach_tree(obj):
@@ -89,7 +98,7 @@ def _advantage_weighted_forward(self, *args, **kwargs):
     if not _needs_grad((args, kwargs)):
         return RowScale.apply(y, A)
     y_theta = _rows(self._isopo_orig_forward(*_detach_tree(args), **_detach_tree(kwargs)), A.shape[0], self._isopo_name)
-    return y + RowScale.apply(y_theta - y_theta.detach(), A - 1)
+    return y + RowScale.apply(y_theta - y_theta.detach(), A - 1, 0.0)
 
 
 def other_trainable_modules(model: nn.Module, covered: set[int], head: nn.Module | None) -> list[tuple[str, nn.Module]]:

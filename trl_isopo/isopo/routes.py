@@ -175,7 +175,7 @@ def sequence_statistics(
         X: (B, L, d_in) inputs.
         G: (B, L, d_out) output gradients; at each invalid position the row of X or of G is zero (see above).
         sample: (S,) flat indices into B*L of the Fisher token sample J (valid positions); needed if `fisher`.
-        fisher: compute the Fisher numerator sum_j u_i[j]^2 and denominator ||(|g_j||a_j| + 1e-12)_j||.
+        fisher: compute the Fisher numerator sum_j u_i[j]^2 and denominator ||(|g_j||a_j|)_j||.
         ntk: compute K (B, B).
         route: "gram", "mat" or "auto" (cheapest by `route_costs`).
         budget_bytes: bound on any chunked intermediate (Gram row blocks, V chunks).
@@ -201,8 +201,8 @@ def sequence_statistics(
     if fisher:
         XJ, GJ = (_gather_rows(T, sample, scratch, slot) for T, slot in ((X, "XJ"), (G, "GJ")))
         den = torch.linalg.vector_norm(
-            torch.linalg.vector_norm(GJ[:S], dim=1) * torch.linalg.vector_norm(XJ[:S], dim=1) + 1e-12
-        )
+            torch.linalg.vector_norm(GJ[:S], dim=1) * torch.linalg.vector_norm(XJ[:S], dim=1)
+        )  # no absolute "+ 1e-12" (the reference's): |g_j| carries the loss normalization; 0 is handled by fisher_norm
 
     if route == "gram":
         stats = _gram(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, euclidean)

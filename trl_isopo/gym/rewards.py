@@ -7,6 +7,8 @@
   graph_color 1.0 / 0.01 (parses as JSON, wrong) / 0.0; knights_knaves 1.0 / 0.3 + 0.7*fraction / 0.0.
 - `format_reward`: 1.0 when the completion contains exactly one non-empty `<answer>...</answer>` block and nothing but
   whitespace after it, else 0.0 (free reasoning text, with or without `<think>` tags, may precede it).
+- `ReasoningGymLastNumberReward(procedural)` / `gsm8k_last_number_reward`: the same scores, but the answer is the
+  *last number* in the completion (`extract_last_number`), for small models that do not use `<answer>` tags.
 """
 
 from __future__ import annotations
@@ -108,3 +110,44 @@ class ReasoningGymAnswerReward:
                 "build_reasoning_gym_dataset); keep `remove_unused_columns=False` (GRPOConfig's default)."
             )
         return [self.score(completion_text(c), e) for c, e in zip(completions, entry, strict=True)]
+
+
+# A number as written in prose: optional sign (not when glued to a preceding word/number, so "15-43" ends in "43"),
+# digits with optional thousands commas, optional decimals; or a bare ".5".
+_LAST_NUMBER = re.compile(r"(?:(?<![\w)])[-+])?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)")
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last integer/decimal in `text` (`"23 + 45 = 68."` -> `"68"`, `"is -1,200.5"` -> `"-1200.5"`), commas
+    removed; `None` when the text has no number."""
+    matches = _LAST_NUMBER.findall(text)
+    return matches[-1].replace(",", "") if matches else None
+
+
+class ReasoningGymLastNumberReward(ReasoningGymAnswerReward):
+    """Reward = the task's own `score_answer` on the *last number* of the completion (0.0 when there is none).
+
+    For numeric tasks (`chain_sum`, `basic_arithmetic`, ...) and small models that answer in free text instead of
+    `<answer>` tags. Same constructor and call signature as `ReasoningGymAnswerReward`."""
+
+    def __init__(self, datasets=None, name: str = "reasoning_gym_last_number"):
+        super().__init__(datasets, name=name)
+
+    def score(self, text: str, entry) -> float:
+        answer = extract_last_number(text)
+        if answer is None:
+            return 0.0
+        entry = _decode_entry(entry)
+        return float(self._scorer(entry["metadata"]["source_dataset"])(answer, entry))
+
+
+def gsm8k_last_number_reward(completions, answer, **kwargs) -> list[float]:
+    """GSM8K exact numeric match of the completion's last number against the `answer` column (1.0 / 0.0)."""
+    from .gsm8k import extract_gsm8k_gold, parse_number
+
+    rewards = []
+    for completion, gold in zip(completions, answer, strict=True):
+        predicted = parse_number(extract_last_number(completion_text(completion)))
+        expected = parse_number(extract_gsm8k_gold(gold)) if "####" in gold else parse_number(gold)
+        rewards.append(1.0 if predicted is not None and expected is not None and predicted == expected else 0.0)
+    return rewards

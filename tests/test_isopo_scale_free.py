@@ -315,7 +315,9 @@ def test_first_step_of_ema_mean_is_uniform_and_logged_as_such(tiny_tokenizer, tm
     inputs = make_batch(tiny_tokenizer)
     spreads = {}
     for reference in ("ema_mean", "batch_median"):
-        ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "fisher_tokens": 0, "reg_reference": reference})
+        ctx.settings = ISOPOSettings(
+            **{**ctx.settings.__dict__, "fisher_tokens": 0, "reg": 1.0, "reg_reference": reference}
+        )
         trainer.model.zero_grad(set_to_none=True)
         with trainer.isopo_active():
             trainer.compute_loss(trainer.model, inputs).backward()

@@ -25,10 +25,18 @@ def config(tmp_path, **kw):
         logging_steps=1,
         learning_rate=1e-2,
         isopo_fisher_tokens=16,
+        isopo_reg=1.0,  # c > 0 exercises the EMA statistics (the default c = 0 keeps none)
         seed=0,
     )
     base.update(kw)
     return ISOPOConfig(**base)
+
+
+def test_default_is_pure_normalization(tmp_path):
+    """c = 0 by default (docs/isopo-regularizer.md: c = 1 with the mean reference is REINFORCE on the toy task)."""
+    args = ISOPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert (args.isopo_p, args.isopo_q, args.isopo_r, args.isopo_reg, args.beta) == (-1.0, 0.0, 0.0, 0.0, 0.0)
+    assert args.isopo_reg_reference == "ema_mean"
 
 
 def run(tiny_model_dir, tiny_tokenizer, args, **kw):
@@ -202,6 +210,58 @@ def test_resume_from_checkpoint_is_bit_exact(tiny_model_dir, tiny_tokenizer, tmp
     for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), n
     assert resumed.isopo_context.ema.ema == straight.isopo_context.ema.ema
+
+
+def test_state_is_in_the_checkpoint_before_push_and_rotation(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """The EMA file is written inside the checkpoint save, before the Hub push and the rotation of old checkpoints:
+    the pushed folder holds it, the rotated-to checkpoint holds it, and resuming from that one is bit-exact."""
+    seen_at_push = []
+
+    def fake_push(self, output_dir):
+        seen_at_push.append(os.path.exists(os.path.join(output_dir, "isopo_state.json")))
+
+    class FakeHub:  # transformers' Hub client, replaced (no network): the repo is created at init
+        def create_repo(self, repo_id, **kwargs):
+            return type("RepoUrl", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, *args, **kwargs):
+            return None
+
+    import transformers.trainer
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: FakeHub())
+    monkeypatch.setattr(ISOPOTrainer, "_push_from_checkpoint", fake_push)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=1, learning_rate=3e-2)
+    straight, _, _ = run(tiny_model_dir, tiny_tokenizer, config(tmp_path / "a", **common))
+    pushed = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=config(tmp_path / "p", max_steps=2, save_strategy="steps", save_steps=1,
+                                                 push_to_hub=True, hub_model_id="local/none", hub_strategy="every_save"),
+        train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer,
+    )
+    pushed.train()
+    assert seen_at_push == [True, True]
+    kept = sorted(p.name for p in (tmp_path / "a" / "out").glob("checkpoint-*"))
+    assert kept == ["checkpoint-4"]  # rotation ran; resume from a rotated-to checkpoint (step 2 of a 2-limit run)
+    common2 = dict(common, save_total_limit=2)
+    run(tiny_model_dir, tiny_tokenizer, config(tmp_path / "c", **common2))
+    ckpt = tmp_path / "c" / "out" / "checkpoint-3"
+    assert (ckpt / "isopo_state.json").exists()
+    resumed = ISOPOTrainer(
+        tiny_model_dir, tiny_reward, args=config(tmp_path / "d", **common2), train_dataset=tiny_prompt_dataset(32),
+        processing_class=tiny_tokenizer,
+    )
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_reward_funcs_is_optional_like_grpo_trainer():
+    import inspect
+
+    from trl import GRPOTrainer
+
+    ours, theirs = inspect.signature(ISOPOTrainer.__init__), inspect.signature(GRPOTrainer.__init__)
+    assert ours.parameters["reward_funcs"].default is theirs.parameters["reward_funcs"].default is None
 
 
 @pytest.mark.multiprocess

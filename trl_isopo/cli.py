@@ -1,4 +1,4 @@
-"""`trl-isopo` console script: `demo` (default), `compare`, `train`.
+"""`trl-isopo` console script: `real`, `demo`, `compare`, `train` (no command prints this help).
 
 Each sub-command lives in `trl_isopo.scripts.<name>` and exposes `main(argv)`. Also runnable as
 `python -m trl_isopo.cli ...` and `accelerate launch -m trl_isopo.cli train ...`.
@@ -10,27 +10,29 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "demo": ("trl_isopo.scripts.demo", "GRPO vs REINFORCE vs ISOPO vs TPO on a tiny offline task (default)"),
+    "real": ("trl_isopo.scripts.real", "RL fine-tuning of SmolLM2-135M-Instruct on a Reasoning Gym arithmetic task"),
+    "demo": ("trl_isopo.scripts.demo", "GRPO vs REINFORCE vs ISOPO vs TPO on a tiny offline toy task (random-init model)"),
     "compare": ("trl_isopo.scripts.compare", "resumable sweeps over tasks / methods / seeds (paper reproduction)"),
     "train": ("trl_isopo.scripts.train", "train from a YAML recipe (GRPO, ISOPO or TPO), accelerate-launchable"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: trl-isopo [demo|compare|train] [options]", "", "commands:"]
+    lines = [f"usage: trl-isopo [{'|'.join(COMMANDS)}] [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "`trl-isopo <command> --help` shows a command's options; no command runs `demo`."]
+    lines += ["", "`trl-isopo <command> --help` shows a command's options."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    command = "demo"
-    if argv and not argv[0].startswith("-"):
-        command = argv.pop(0)
+    if argv[0].startswith("-"):
+        print(f"trl-isopo: a command comes first\n\n{_usage()}", file=sys.stderr)
+        return 2
+    command = argv.pop(0)
     if command not in COMMANDS:
         print(f"unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2

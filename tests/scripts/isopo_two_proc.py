@@ -22,6 +22,7 @@ def main(out: str):
         output_dir=out + ".run", report_to="none", use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
         max_completion_length=6, max_steps=3, logging_steps=1, learning_rate=1e-2, isopo_fisher_tokens=16, seed=0,
+        isopo_reg=1.0,  # c > 0: the EMA statistics must agree across ranks
     )
     seen = []
 

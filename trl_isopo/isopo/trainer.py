@@ -13,7 +13,6 @@ import textwrap
 
 import torch
 import torch.nn as nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
@@ -26,7 +25,12 @@ logger = logging.get_logger(__name__)
 
 ISOPO_STATE_FILE = "isopo_state.json"
 # GRPOTrainer internals this class relies on; checked at construction so a TRL upgrade fails loudly.
-_REQUIRED_HOOKS = ("_compute_loss", "_get_per_token_logps_and_entropies", "_save_checkpoint", "_load_optimizer_and_scheduler")
+_REQUIRED_HOOKS = (
+    "_compute_loss",
+    "_get_per_token_logps_and_entropies",
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+)
 # The "ISOPO has become REINFORCE" warning: isopo/scale_spread (mean coefficient of variation of the per-sequence
 # scales) below SPREAD_WARN_THRESHOLD for SPREAD_WARN_STEPS consecutive optimizer steps; repeated at most every
 # SPREAD_WARN_EVERY steps while it lasts.
@@ -65,7 +69,7 @@ class ISOPOTrainer(GRPOTrainer):
             }"""),
     }
 
-    def __init__(self, model, reward_funcs, args: ISOPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: ISOPOConfig | None = None, **kwargs):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = ISOPOConfig(f"{model_name.split('/')[-1]}-ISOPO")
@@ -377,11 +381,14 @@ class ISOPOTrainer(GRPOTrainer):
         return out
 
     # --------------------------------------------------------------------------------------------- checkpoints
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+    def _save_optimizer_and_scheduler(self, output_dir):
+        """Write ISOPO's EMA state next to the optimizer's: inside `Trainer._save_checkpoint`, so before the
+        checkpoint is pushed to the Hub and before older checkpoints are rotated out (a pushed or kept checkpoint
+        always carries the state its resume needs)."""
+        super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            with open(os.path.join(folder, ISOPO_STATE_FILE), "w") as f:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, ISOPO_STATE_FILE), "w") as f:
                 json.dump({"ema": self.isopo_context.ema.state_dict(), "micro_step": self._isopo_micro_step}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

@@ -1,0 +1,205 @@
+"""Real-model learning benchmark: GRPO, REINFORCE, ISOPO and TPO on SmolLM2-135M-Instruct (Q4_1, dequantized).
+
+Every run trains one method with one seed and learning rate on the Reasoning Gym arithmetic task of
+`trl_isopo.real` (same prompts per step, completions per prompt, steps, seed -> same number of generated samples),
+and records held-out accuracy (greedy and sampled) and KL(pi || pi_0) on probe prompts before, along the way and
+after, the training reward per step and the seconds per step. Results are appended to a JSON-lines file, one run per
+line, so an interrupted sweep resumes where it stopped (a run already in the file is skipped).
+
+    # learning-rate sweep (1 seed), then the comparison (3 seeds), then the report
+    python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,3e-4,1e-3 --seeds 0
+    python benchmarks/real_model_learning.py run --methods grpo=3e-4,reinforce=3e-4,isopo=3e-4,tpo=3e-4 --seeds 0-2
+    python benchmarks/real_model_learning.py report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+DEFAULT_RESULTS = "docs/real-model/runs.jsonl"
+
+
+def parse_seeds(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out += list(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def parse_methods(text: str, lrs: list[float]) -> list[tuple[str, float]]:
+    """'grpo=3e-4,isopo' + lrs [1e-4, 3e-4] -> [(grpo, 3e-4), (isopo, 1e-4), (isopo, 3e-4)]."""
+    out = []
+    for part in filter(None, text.split(",")):
+        name, _, lr = part.partition("=")
+        out += [(name, float(lr))] if lr else [(name, x) for x in lrs]
+    return out
+
+
+def load_results(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def make_run(args, method: str, lr: float, seed: int):
+    from trl_isopo.real.run import RealRun
+
+    return RealRun(method=method, lora=not args.full, learning_rate=lr, steps=args.steps,
+                   prompts_per_step=args.prompts, num_generations=args.generations,
+                   max_completion_length=args.max_completion_length, seed=seed, eval_size=args.eval_size,
+                   eval_every=args.eval_every, eval_sampled=True, kl_prompts=args.kl_prompts,
+                   kl_samples=args.kl_samples)
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from trl_isopo.real.run import train_real
+
+    done = {r["key"] for r in load_results(args.results)}
+    todo = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in parse_methods(args.methods, args.lrs)]
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    for i, (method, lr, seed) in enumerate(todo):
+        run = make_run(args, method, lr, seed)
+        if run.key() in done:
+            print(f"[{i + 1}/{len(todo)}] {run.key()}: in {args.results}, skipped", flush=True)
+            continue
+        print(f"[{i + 1}/{len(todo)}] {run.key()} ...", flush=True)
+        t0 = time.time()
+        record = train_real(run, os.path.join(args.workdir, run.key().replace("|", "_")), progress=False,
+                            save_model=False)
+        record["wall_seconds"] = time.time() - t0
+        record["threads"] = args.threads
+        record["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        with open(args.results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        ev = record["evals"]
+        print(f"    greedy {100 * ev[0]['greedy']:.1f}% -> {100 * ev[-1]['greedy']:.1f}%, sampled "
+              f"{100 * ev[0]['sampled']:.1f}% -> {100 * ev[-1]['sampled']:.1f}%, KL {ev[-1].get('kl', float('nan')):.3f}"
+              f", {statistics.median(record['step_seconds']):.1f} s/step, {record['wall_seconds']:.0f} s", flush=True)
+    return 0
+
+
+def _group(results: list[dict]) -> dict:
+    groups: dict = {}
+    for r in results:
+        s = r["settings"]
+        key = (s["method"], "lora" if s["lora"] else "full", s["learning_rate"], s["steps"])
+        groups.setdefault(key, []).append(r)
+    return groups
+
+
+def _fmt_seeds(values, scale=100.0, digits=1):
+    return " / ".join(f"{scale * v:.{digits}f}" for v in values)
+
+
+def cmd_report(args) -> int:
+    results = load_results(args.results)
+    if not results:
+        print(f"no results in {args.results}")
+        return 1
+    rows = []
+    header = ("| method | weights | lr | steps | seeds | greedy acc. base → final (%) | per seed final | sampled acc. base "
+              "→ final (%) | per seed final | reward first 5 → last 5 | KL(π‖π0) final (nats) | per seed | s/step |")
+    rows.append(header)
+    rows.append("|" + "---|" * header.count("|")[:-1] if False else "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (method, weights, lr, steps), runs in sorted(_group(results).items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        runs = sorted(runs, key=lambda r: r["settings"]["seed"])
+        base_g = [r["evals"][0]["greedy"] for r in runs]
+        fin_g = [r["evals"][-1]["greedy"] for r in runs]
+        base_s = [r["evals"][0].get("sampled", math.nan) for r in runs]
+        fin_s = [r["evals"][-1].get("sampled", math.nan) for r in runs]
+        kl = [r["evals"][-1].get("kl", math.nan) for r in runs]
+        r_first = [statistics.mean(x["reward"] for x in r["rewards"][:5]) for r in runs]
+        r_last = [statistics.mean(x["reward"] for x in r["rewards"][-5:]) for r in runs]
+        sps = statistics.median(s for r in runs for s in r["step_seconds"][1:] or r["step_seconds"])
+        rows.append(
+            f"| {runs[0]['label']} | {weights} | {lr:g} | {steps} | {len(runs)} "
+            f"| {100 * statistics.mean(base_g):.1f} → **{100 * statistics.mean(fin_g):.1f}** | {_fmt_seeds(fin_g)} "
+            f"| {100 * statistics.mean(base_s):.1f} → **{100 * statistics.mean(fin_s):.1f}** | {_fmt_seeds(fin_s)} "
+            f"| {statistics.mean(r_first):.3f} → {statistics.mean(r_last):.3f} "
+            f"| {statistics.mean(kl):.3f} | {_fmt_seeds(kl, 1.0, 3)} | {sps:.1f} |"
+        )
+    text = "\n".join(rows)
+    print(text)
+    if args.png:
+        plot(results, args.png)
+        print(f"\nwrote {args.png}")
+    return 0
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _group(results)
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for i, ((method, weights, lr, steps), runs) in enumerate(sorted(groups.items())):
+        color = f"C{i % 10}"
+        label = f"{runs[0]['label']} {weights} lr {lr:g} ({len(runs)} seeds)"
+        for j, r in enumerate(runs):
+            ev = r["evals"]
+            kw = dict(color=color, alpha=0.8, label=label if j == 0 else None)
+            ax[0].plot([e["step"] for e in ev], [100 * e["greedy"] for e in ev], "o-", **kw)
+            ax[1].plot([e["step"] for e in ev], [100 * e.get("sampled", math.nan) for e in ev], "o-", **kw)
+            ax[2].plot([e["step"] for e in ev], [e.get("kl", math.nan) for e in ev], "o-", **kw)
+    ax[0].set(xlabel="optimizer step", ylabel="held-out accuracy, greedy (%)")
+    ax[1].set(xlabel="optimizer step", ylabel="held-out accuracy, sampled T=0.7 (%)")
+    ax[2].set(xlabel="optimizer step", ylabel="KL(π‖π0) on probe prompts (nats)")
+    ax[0].legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M-Instruct (Q4_1, dequantized), Reasoning Gym chain_sum; one line per seed", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train the missing (method, lr, seed) runs and append them to --results")
+    r.add_argument("--methods", default="grpo,reinforce,isopo,tpo", help="names, optionally name=lr")
+    r.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[3e-4],
+                   help="learning rates for methods given without =lr")
+    r.add_argument("--seeds", default="0-2")
+    r.add_argument("--full", action="store_true", help="full weights (default LoRA r=16)")
+    r.add_argument("--steps", type=int, default=16)
+    r.add_argument("--prompts", type=int, default=4)
+    r.add_argument("--generations", type=int, default=8)
+    r.add_argument("--max-completion-length", type=int, default=24)
+    r.add_argument("--eval-size", type=int, default=64)
+    r.add_argument("--eval-every", type=int, default=8)
+    r.add_argument("--kl-prompts", type=int, default=8)
+    r.add_argument("--kl-samples", type=int, default=4)
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--workdir", default="outputs/real_model_learning")
+    r.add_argument("--results", default=DEFAULT_RESULTS)
+    rep = sub.add_parser("report", help="markdown table (seed means and per-seed values) and a PNG")
+    rep.add_argument("--results", default=DEFAULT_RESULTS)
+    rep.add_argument("--png", default="docs/real-model/curves.png")
+    return p
+
+
+def main(argv=None) -> int:
+    from trl_isopo.tiny import set_offline_env
+
+    set_offline_env()
+    args = build_parser().parse_args(argv)
+    return cmd_run(args) if args.command == "run" else cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

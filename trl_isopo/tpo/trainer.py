@@ -5,10 +5,20 @@ Not TRL's `trl.experimental.tpo.TPOTrainer` (Triple Preference Optimization, an 
 What changes w.r.t. GRPOTrainer (everything else, generation, rewards, vLLM, PEFT, logging, is inherited):
 
 - `_calculate_rewards` (via super): keeps the gathered raw rewards of the generation batch.
-- `_generate_and_score_completions` (via super): adds `old_per_token_logps` when TRL skipped them (always the training
-  model, never sampling log-probs), and the frozen per-row target `tpo_targets` (B,) and `tpo_valid_mask` (B,).
+- `_generate_and_score_completions` (via super): adds the raw per-row score `tpo_scores` (B,) and, unless the policy
+  cannot move before the loss sees the batch (below), `old_per_token_logps` when TRL skipped them (always the training
+  model, never sampling log-probs) and the frozen per-row target `tpo_targets` (B,) and `tpo_valid_mask` (B,).
 - `_prepare_inputs`: TRL's ~15 lines with a whole-group shuffle instead of the row shuffle.
 - `_compute_loss`: mean over groups of -sum_i q_i log softmax_K(l_theta)_i, divided by the gradient accumulation steps.
+
+p_old without an extra forward. When TRL skips `old_per_token_logps` (every use of a generation batch falls inside one
+optimizer step: `gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0`, no vLLM importance
+sampling) and `num_iterations == 1` (or in evaluation), the parameters at every loss forward of that batch are the
+rollout-time parameters, so p_old == p_theta. Then no log-prob forward runs at generation time: `_compute_loss` builds
+q (and the generation-side `tpo/*` metrics) from the loss forward's own detached log-probs, as GRPOTrainer uses
+`per_token_logps.detach()` for its old log-probs. Micro-batches hold whole groups, so the per-micro-batch q equals the
+generation-batch q. Otherwise (`num_iterations > 1`, `steps_per_generation > gradient_accumulation_steps`, vLLM
+importance sampling) q is built at generation time from a separate no-grad forward, as before.
 """
 
 from __future__ import annotations
@@ -121,6 +131,10 @@ class TPOTrainer(GRPOTrainer):
     multiple of `num_generations`, and micro-batches are formed by shuffling whole groups, so the update is the exact
     mean over the groups of the optimizer step regardless of gradient accumulation and world size.
 
+    With one optimizer step per rollout and `num_iterations=1` (TRL then skips its old log-probs), p_old is taken from
+    the loss forward's own detached log-probs, which equal the rollout-time ones exactly, so TPO runs no forward
+    beyond GRPO's; otherwise p_old comes from one extra no-grad forward per generation batch.
+
     Args:
         model: model id/path or `PreTrainedModel`, as for [`trl.GRPOTrainer`].
         reward_funcs: reward function(s) or reward model(s), as for [`trl.GRPOTrainer`]; their weighted sum is the
@@ -133,6 +147,10 @@ class TPOTrainer(GRPOTrainer):
     `kl` (if `beta != 0`), `tpo/kl_q_p` (KL(q || p_theta), mean over groups), `tpo/max_abs_p_minus_q`,
     `tpo/target_entropy`, `tpo/frac_zero_variance_groups`, `tpo/frac_invalid_completions`.
     """
+
+    # False forces the separate no-grad p_old forward at generation time even where the loss forward's detached
+    # log-probs are exact (a check and debugging switch; read when each generation batch is scored).
+    _tpo_reuse_loss_logps = True
 
     _tag_names = ["trl", "trl-isopo", "target-policy-optimization"]
     _name = "Target Policy Optimization"
@@ -172,6 +190,8 @@ class TPOTrainer(GRPOTrainer):
             raise ValueError("TPOTrainer: " + " ".join(problems))
         self._tpo_rewards_per_func = None
         self._tpo_max_abs_p_minus_q = 0.0
+        # Generation-side metric sums deferred to the loss forwards (reuse path), per mode: [sums or None, left].
+        self._tpo_deferred = {"train": [None, 0], "eval": [None, 0]}
         super().__init__(model, reward_funcs, args=args, **kwargs)
         missing = [name for name in _REQUIRED_STATE if not hasattr(self, name)]
         if missing:
@@ -232,6 +252,15 @@ class TPOTrainer(GRPOTrainer):
         rank = self.accelerator.process_index
         scores = scores[rank * num_rows : (rank + 1) * num_rows].to(device)
 
+        output["tpo_scores"] = scores
+
+        # Leftover deferred sums (a generation batch not fully consumed, e.g. at the end of an epoch) are logged now.
+        self._tpo_flush_target_metrics(mode)
+        if self._tpo_reuses_loss_logps(output, mode):
+            # p_old == p_theta at every loss forward of this batch: q is built there (see the module docstring).
+            self._tpo_deferred[mode] = [None, self.args.steps_per_generation if mode == "train" else 1]
+            return output
+
         # p_old: the training model's log-probs at rollout time (TRL computes them itself only when misaligned / vLLM).
         old_per_token_logps = output.get("old_per_token_logps")
         if old_per_token_logps is None:
@@ -242,34 +271,63 @@ class TPOTrainer(GRPOTrainer):
                 old_per_token_logps, _, _ = self._tpo_forward(self.model, output, batch_size=batch_size)
             output["old_per_token_logps"] = old_per_token_logps
 
-        mask = self._loss_mask(output)
-        old_logps = sequence_logps(old_per_token_logps, mask, self.args.tpo_length_normalize)
+        q, valid, sums = self._tpo_build_targets(old_per_token_logps, self._loss_mask(output), scores, group_size)
+        output["tpo_targets"] = q
+        output["tpo_valid_mask"] = valid
+        self._tpo_log_target_metrics(mode, sums)
+        return output
+
+    # ------------------------------------------------------------------ target q and its metrics
+    def _tpo_reuses_loss_logps(self, output, mode) -> bool:
+        """Whether q is built from the loss forward's detached log-probs (no p_old forward at generation time)."""
+        if not self._tpo_reuse_loss_logps or output.get("old_per_token_logps") is not None:
+            return False  # forced off, or TRL computed p_old itself (misaligned steps, vLLM importance sampling)
+        if mode == "eval":
+            return True  # nothing updates the parameters between generation and the evaluation loss
+        # One optimizer step spans whole generation batches and each batch is used once: the parameters are the
+        # rollout-time ones at every loss forward of the batch. (TRL's own rule, gradient_accumulation_steps %
+        # (steps_per_generation * num_iterations) == 0, held when it skipped p_old; num_iterations > 1 keeps q frozen
+        # from a separate forward.)
+        return self.num_iterations == 1 and self.args.gradient_accumulation_steps % self.args.steps_per_generation == 0
+
+    def _tpo_build_targets(self, old_per_token_logps, mask, scores, group_size):
+        """(q (B,), valid (B,), sums (6,)) from p_old's per-token log-probs and the raw scores of whole groups.
+
+        `sums` holds the generation-side metric sums (target entropy, groups with a valid member, zero-variance
+        groups, groups, invalid rows, rows); sums over disjoint sets of whole groups add up.
+        """
+        old_logps = sequence_logps(old_per_token_logps.detach(), mask, self.args.tpo_length_normalize)
+        scores = scores.to(old_logps.device)
         valid = (mask.sum(-1) > 0) & torch.isfinite(scores) & torch.isfinite(old_logps)
         valid_g = valid.view(-1, group_size)
         u, std = standardize_group_scores(scores.view(-1, group_size), valid_g, return_std=True)
-        q = tpo_target(
-            old_logps.view(-1, group_size), u, valid_g, eta=self.args.tpo_eta, anchor=self.args.tpo_anchor
-        )
-        output["tpo_targets"] = q.reshape(-1).to(torch.float32)
-        output["tpo_valid_mask"] = valid
-
-        stats = tpo_group_stats(old_logps.view(-1, group_size), q, valid_g)
-        zero_var = (std <= ZERO_STD_THRESHOLD).sum().to(torch.float32)
-        local = torch.stack(
+        old_g = old_logps.view(-1, group_size)
+        q = tpo_target(old_g, u, valid_g, eta=self.args.tpo_eta, anchor=self.args.tpo_anchor)
+        stats = tpo_group_stats(old_g, q, valid_g)
+        dtype = stats["target_entropy_sum"].dtype  # float32, or float64 for a float64 model
+        sums = torch.stack(
             [
-                stats["target_entropy_sum"].float(),
-                stats["num_groups"].float(),
-                zero_var,
-                torch.tensor(float(valid_g.shape[0]), device=device),
-                (~valid).sum().float(),
-                torch.tensor(float(num_rows), device=device),
+                stats["target_entropy_sum"],
+                stats["num_groups"],
+                (std <= ZERO_STD_THRESHOLD).sum().to(dtype),
+                torch.tensor(float(valid_g.shape[0]), dtype=dtype, device=valid.device),
+                (~valid).sum().to(dtype),
+                torch.tensor(float(valid.shape[0]), dtype=dtype, device=valid.device),
             ]
         )
-        totals = self.accelerator.reduce(local, reduction="sum")  # unconditional: a collective on every rank
+        return q.reshape(-1), valid, sums
+
+    def _tpo_log_target_metrics(self, mode, sums):
+        totals = self.accelerator.reduce(sums, reduction="sum")  # unconditional: a collective on every rank
         self._metrics[mode]["tpo/target_entropy"].append((totals[0] / totals[1].clamp(min=1)).item())
         self._metrics[mode]["tpo/frac_zero_variance_groups"].append((totals[2] / totals[3].clamp(min=1)).item())
         self._metrics[mode]["tpo/frac_invalid_completions"].append((totals[4] / totals[5].clamp(min=1)).item())
-        return output
+
+    def _tpo_flush_target_metrics(self, mode):
+        sums, _ = self._tpo_deferred[mode]
+        self._tpo_deferred[mode] = [None, 0]
+        if sums is not None:
+            self._tpo_log_target_metrics(mode, sums)
 
     # ------------------------------------------------------------------ whole-group micro-batches
     @profiling_decorator
@@ -297,9 +355,27 @@ class TPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         mask = self._loss_mask(inputs)
+        if inputs.get("tpo_targets") is None and inputs.get("tpo_scores") is None:
+            raise RuntimeError(
+                "TPOTrainer._compute_loss needs a batch from TPOTrainer._prepare_inputs: it carries `tpo_scores` and, "
+                "unless p_old is taken from the loss forward itself, `tpo_targets` and `tpo_valid_mask`."
+            )
         per_token_logps, entropies, aux_loss = self._tpo_forward(
             model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
         )
+        if inputs.get("tpo_targets") is None:
+            # Reuse path: the parameters are the rollout-time ones, so p_old is this forward's own (detached) output.
+            # Written back into the micro-batch so that callbacks see the same keys as on the recompute path.
+            old_per_token_logps = per_token_logps.detach()
+            q, valid_rows, sums = self._tpo_build_targets(old_per_token_logps, mask, inputs["tpo_scores"], group_size)
+            inputs["old_per_token_logps"] = old_per_token_logps
+            inputs["tpo_targets"] = q
+            inputs["tpo_valid_mask"] = valid_rows
+            deferred = self._tpo_deferred[mode]
+            deferred[0] = sums if deferred[0] is None else deferred[0] + sums
+            deferred[1] -= 1
+            if deferred[1] <= 0:  # the last micro-batch of its generation batch: log once per generation batch
+                self._tpo_flush_target_metrics(mode)
         logps = sequence_logps(per_token_logps, mask, self.args.tpo_length_normalize).view(-1, group_size)
         targets = inputs["tpo_targets"].view(-1, group_size)
         valid = inputs["tpo_valid_mask"].view(-1, group_size)

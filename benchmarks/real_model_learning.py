@@ -4,7 +4,8 @@ Every run trains one method with one seed and learning rate on the Reasoning Gym
 `trl_isopo.real` (same prompts per step, completions per prompt, steps, seed -> same number of generated samples),
 and records held-out accuracy (greedy and sampled) and KL(pi || pi_0) on probe prompts before, along the way and
 after, the training reward per step and the seconds per step. Results are appended to a JSON-lines file, one run per
-line, so an interrupted sweep resumes where it stopped (a run already in the file is skipped).
+line, so an interrupted sweep resumes where it stopped (a run already in the file is skipped), and several processes can
+share one list (each run is claimed by one process).
 
     # learning-rate sweep (1 seed), then the comparison (3 seeds), then the report
     python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,3e-4,1e-3 --seeds 0
@@ -62,19 +63,46 @@ def make_run(args, method: str, lr: float, seed: int):
                    kl_samples=args.kl_samples)
 
 
+def _claim(workdir: str, key: str) -> bool:
+    """Take `key` for this process (a file holding our PID, created exclusively), so several processes can work
+    through one list; a claim whose process is gone (killed, crashed) is taken over."""
+    folder = os.path.join(workdir, "claims")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, key.replace("|", "_"))
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(open(path).read().strip() or 0)
+                os.kill(pid, 0)
+                return False  # another live process has it
+            except (ValueError, ProcessLookupError, PermissionError):
+                os.unlink(path)  # stale
+                continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
 def cmd_run(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
     from trl_isopo.real.run import train_real
 
-    done = {r["key"] for r in load_results(args.results)}
-    todo = [(m, lr, s) for s in parse_seeds(args.seeds) for m, lr in parse_methods(args.methods, args.lrs)]
+    todo = [(m, lr, s) for m, lr in parse_methods(args.methods, args.lrs) for s in parse_seeds(args.seeds)]
+    if args.order == "seed":
+        todo.sort(key=lambda t: t[2])
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
     for i, (method, lr, seed) in enumerate(todo):
         run = make_run(args, method, lr, seed)
-        if run.key() in done:
+        if run.key() in {r["key"] for r in load_results(args.results)}:  # re-read: other processes append too
             print(f"[{i + 1}/{len(todo)}] {run.key()}: in {args.results}, skipped", flush=True)
+            continue
+        if not _claim(args.workdir, run.key()):
+            print(f"[{i + 1}/{len(todo)}] {run.key()}: running in another process, skipped", flush=True)
             continue
         print(f"[{i + 1}/{len(todo)}] {run.key()} ...", flush=True)
         t0 = time.time()
@@ -185,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kl-prompts", type=int, default=8)
     r.add_argument("--kl-samples", type=int, default=4)
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--order", choices=["method", "seed"], default="method",
+                   help="method: all seeds of the first method first (default); seed: every method's seed 0 first")
     r.add_argument("--workdir", default="outputs/real_model_learning")
     r.add_argument("--results", default=DEFAULT_RESULTS)
     rep = sub.add_parser("report", help="markdown table (seed means and per-seed values) and a PNG")

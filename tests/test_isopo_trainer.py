@@ -160,6 +160,8 @@ def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, t
         (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
         (dict(delta=2.0), "delta"),
+        (dict(epsilon=1e9), "epsilon=1000000000.0 has no effect"),
+        (dict(epsilon_high=0.28), "epsilon_high=0.28 has no effect"),
         (dict(torch_compile=True), "torch_compile"),
         (dict(use_vllm=True), "vllm_importance_sampling_correction"),
         (dict(fp16=True, bf16=False), "fp16"),
@@ -260,8 +262,13 @@ def test_reward_funcs_is_optional_like_grpo_trainer():
 
     from trl import GRPOTrainer
 
-    ours, theirs = inspect.signature(ISOPOTrainer.__init__), inspect.signature(GRPOTrainer.__init__)
-    assert ours.parameters["reward_funcs"].default is theirs.parameters["reward_funcs"].default is None
+    from trl_isopo import TPOTrainer
+
+    theirs = inspect.signature(GRPOTrainer.__init__).parameters
+    for cls in (ISOPOTrainer, TPOTrainer):
+        ours = inspect.signature(cls.__init__).parameters
+        assert list(ours)[:4] == list(theirs)[:4]  # self, model, reward_funcs, args: same positions
+        assert ours["reward_funcs"].default is theirs["reward_funcs"].default is None
 
 
 @pytest.mark.multiprocess

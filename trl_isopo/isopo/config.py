@@ -168,6 +168,13 @@ class ISOPOConfig(GRPOConfig):
                 "beta > 0 back-propagates the KL term in a separate torch.autograd.grad pass, which reentrant gradient "
                 "checkpointing does not support: set gradient_checkpointing_kwargs={'use_reentrant': False}."
             )
+        for name in ("epsilon", "epsilon_high"):
+            default = GRPOConfig.__dataclass_fields__[name].default
+            if getattr(self, name) != default:
+                errors.append(
+                    f"{name}={getattr(self, name)!r} has no effect: ISOPO has no importance ratio to clip. Leave it at "
+                    f"its default ({default!r})."
+                )
         if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
             errors.append("ISOPO does not support an entropy bonus: set entropy_coef=0 and use_adaptive_entropy=False.")
         if self.top_entropy_quantile < 1.0:

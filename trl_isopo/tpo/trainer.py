@@ -167,7 +167,7 @@ class TPOTrainer(GRPOTrainer):
             }"""),
     }
 
-    def __init__(self, model, reward_funcs, args: TPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: TPOConfig | None = None, **kwargs):
         _check_trl_hooks()
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)

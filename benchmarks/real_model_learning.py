@@ -139,10 +139,11 @@ def cmd_report(args) -> int:
         print(f"no results in {args.results}")
         return 1
     rows = []
-    header = ("| method | weights | lr | steps | seeds | greedy acc. base → final (%) | per seed final | sampled acc. base "
-              "→ final (%) | per seed final | reward first 5 → last 5 | KL(π‖π0) final (nats) | per seed | s/step |")
+    header = ("| method | weights | lr | steps | seeds | greedy score base → final | per seed final | greedy exactly right "
+              "base → final (%) | sampled score base → final | per seed final | reward first 5 → last 5 | "
+              "KL(π‖π0) final (nats) | per seed | s/step |")
     rows.append(header)
-    rows.append("|" + "---|" * header.count("|")[:-1] if False else "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows.append("|" + "---|" * (header.count("|") - 1))
     for (method, weights, lr, steps), runs in sorted(_group(results).items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         runs = sorted(runs, key=lambda r: r["settings"]["seed"])
         base_g = [r["evals"][0]["greedy"] for r in runs]
@@ -153,10 +154,15 @@ def cmd_report(args) -> int:
         r_first = [statistics.mean(x["reward"] for x in r["rewards"][:5]) for r in runs]
         r_last = [statistics.mean(x["reward"] for x in r["rewards"][-5:]) for r in runs]
         sps = statistics.median(s for r in runs for s in r["step_seconds"][1:] or r["step_seconds"])
+        exact = [(r["evals"][0]["greedy_exact"], r["evals"][-1]["greedy_exact"]) for r in runs
+                 if "greedy_exact" in r["evals"][0]]
+        exact_txt = (f"{100 * statistics.mean(a for a, _ in exact):.1f} → {100 * statistics.mean(b for _, b in exact):.1f}"
+                     f" ({len(exact)} of {len(runs)} runs)" if exact else "not recorded")
         rows.append(
             f"| {runs[0]['label']} | {weights} | {lr:g} | {steps} | {len(runs)} "
-            f"| {100 * statistics.mean(base_g):.1f} → **{100 * statistics.mean(fin_g):.1f}** | {_fmt_seeds(fin_g)} "
-            f"| {100 * statistics.mean(base_s):.1f} → **{100 * statistics.mean(fin_s):.1f}** | {_fmt_seeds(fin_s)} "
+            f"| {statistics.mean(base_g):.3f} → **{statistics.mean(fin_g):.3f}** | {_fmt_seeds(fin_g, 1.0, 3)} "
+            f"| {exact_txt} "
+            f"| {statistics.mean(base_s):.3f} → **{statistics.mean(fin_s):.3f}** | {_fmt_seeds(fin_s, 1.0, 3)} "
             f"| {statistics.mean(r_first):.3f} → {statistics.mean(r_last):.3f} "
             f"| {statistics.mean(kl):.3f} | {_fmt_seeds(kl, 1.0, 3)} | {sps:.1f} |"
         )
@@ -185,8 +191,8 @@ def plot(results: list[dict], path: str) -> None:
             ax[0].plot([e["step"] for e in ev], [100 * e["greedy"] for e in ev], "o-", **kw)
             ax[1].plot([e["step"] for e in ev], [100 * e.get("sampled", math.nan) for e in ev], "o-", **kw)
             ax[2].plot([e["step"] for e in ev], [e.get("kl", math.nan) for e in ev], "o-", **kw)
-    ax[0].set(xlabel="optimizer step", ylabel="held-out accuracy, greedy (%)")
-    ax[1].set(xlabel="optimizer step", ylabel="held-out accuracy, sampled T=0.7 (%)")
+    ax[0].set(xlabel="optimizer step", ylabel="held-out mean task score, greedy (%)")
+    ax[1].set(xlabel="optimizer step", ylabel="held-out mean task score, sampled T=0.7 (%)")
     ax[2].set(xlabel="optimizer step", ylabel="KL(π‖π0) on probe prompts (nats)")
     ax[0].legend(fontsize=7)
     fig.suptitle("SmolLM2-135M-Instruct (Q4_1, dequantized), Reasoning Gym chain_sum; one line per seed", fontsize=10)

@@ -1,6 +1,7 @@
 """Held-out accuracy and KL drift of a causal LM on the arithmetic task (no trainer needed).
 
-- `held_out_accuracy`: one completion per held-out question, greedy or sampled, scored like the training reward.
+- `held_out_accuracy`: one completion per held-out question, greedy or sampled: the fraction answered exactly right,
+  and the mean of the training reward (the task's own score).
 - `sequence_kl`: E_{y ~ pi}[ sum_t KL(pi(. | x, y_<t) || pi_0(. | x, y_<t)) ] on fixed probe prompts, in nats per
   completion: the exact per-token KL (over the whole vocabulary) along sampled completions, which has far less
   variance than log pi(y) - log pi_0(y). Both distributions at temperature 1 (the models themselves).
@@ -78,12 +79,14 @@ def _until_eos(ids: torch.Tensor, tokenizer) -> torch.Tensor:
 def held_out_accuracy(
     model, tokenizer, entries: Sequence[dict], score: Callable[[str, dict], float], system_prompt: str | None,
     max_new_tokens: int, greedy: bool, temperature: float = 0.7, seed: int = 0,
-) -> tuple[float, list[str]]:
-    """(mean score over `entries`, completions): one completion per question; `score(text, entry)` in [0, 1]."""
+) -> tuple[float, float, list[str]]:
+    """(accuracy, mean score, completions): one completion per question; `score(text, entry)` in [0, 1], and
+    accuracy counts the completions that score 1 (chain_sum's own score also gives 0.5 for the right number with
+    the wrong sign)."""
     prompts = chat_prompts(tokenizer, [e["question"] for e in entries], system_prompt)
     texts, _, _ = generate_completions(model, tokenizer, prompts, max_new_tokens, greedy, temperature, seed)
     scores = [score(t, e) for t, e in zip(texts, entries)]
-    return sum(scores) / len(scores), texts
+    return sum(s >= 1.0 for s in scores) / len(scores), sum(scores) / len(scores), texts
 
 
 def _completion_logprobs(model, prompt_rows, completion_rows, pad_id: int, device) -> list[torch.Tensor]:

@@ -127,12 +127,14 @@ class _Evaluator:
         run = self.run
         score = lambda text, entry: score_text(self.train_proc, text, entry)  # noqa: E731
         point = {"step": step}
-        point["greedy"], greedy_texts = held_out_accuracy(
+        # "greedy" / "sampled": mean task score (chain_sum: 1 correct, 0.5 right number with the wrong sign);
+        # "*_exact": the fraction answered exactly right.
+        point["greedy_exact"], point["greedy"], greedy_texts = held_out_accuracy(
             model, self.tokenizer, self.held_out, score, run.task.system_prompt, run.max_completion_length, greedy=True
         )
         point["greedy_examples"] = greedy_texts[:3]
         if run.eval_sampled:
-            point["sampled"], _ = held_out_accuracy(
+            point["sampled_exact"], point["sampled"], _ = held_out_accuracy(
                 model, self.tokenizer, self.held_out, score, run.task.system_prompt, run.max_completion_length,
                 greedy=False, temperature=run.temperature, seed=10_000 + step,
             )

@@ -67,9 +67,11 @@ def plot(record: dict, path: str) -> None:
     ax[0].set(xlabel="optimizer step", ylabel="training reward (mean over completions)", ylim=(0, 1))
     ax[0].legend(loc="lower right")
     ev = record["evals"]
-    ax[1].plot([e["step"] for e in ev], [100 * e["greedy"] for e in ev], "o-", label="greedy")
-    if all("sampled" in e for e in ev):
-        ax[1].plot([e["step"] for e in ev], [100 * e["sampled"] for e in ev], "s--", label="sampled")
+    ax[1].plot([e["step"] for e in ev], [100 * e["greedy_exact"] for e in ev], "o-", label="greedy, exactly right")
+    ax[1].plot([e["step"] for e in ev], [100 * e["greedy"] for e in ev], "o:", color="C0", alpha=0.5,
+               label="greedy, mean task score")
+    if all("sampled_exact" in e for e in ev):
+        ax[1].plot([e["step"] for e in ev], [100 * e["sampled_exact"] for e in ev], "s--", label="sampled")
     ax[1].set(xlabel="optimizer step", ylabel="held-out accuracy (%)", ylim=(0, 100))
     ax[1].legend(loc="lower right")
     fig.suptitle(f"{record['label']} on SmolLM2-135M-Instruct (Q4_1, dequantized): {record['settings']['task']['name']}",
@@ -88,16 +90,18 @@ def report(record: dict) -> str:
     trained = f"+ {record['label']}, {weights}, {s['steps']} steps"
     lines = [
         f"held-out accuracy: {n} {s['task']['name']} questions never trained on, greedy decoding, "
-        f"{s['max_completion_length']} new tokens, answer = last number",
-        f"{'model':<44} {'accuracy':>8}",
-        f"{'-' * 44} {'-' * 8}",
-        f"{'SmolLM2-135M-Instruct (Q4_1) base':<44} {100 * base['greedy']:>7.1f}%",
-        f"{trained:<44} {100 * final['greedy']:>7.1f}%",
+        f"{s['max_completion_length']} new tokens, answer = last number of the completion",
+        f"{'model':<44} {'accuracy':>8} {'mean task score':>15}",
+        f"{'-' * 44} {'-' * 8} {'-' * 15}",
+        f"{'SmolLM2-135M-Instruct (Q4_1) base':<44} {100 * base['greedy_exact']:>7.1f}% {base['greedy']:>15.3f}",
+        f"{trained:<44} {100 * final['greedy_exact']:>7.1f}% {final['greedy']:>15.3f}",
         "",
-        "along the way: " + ", ".join(f"step {e['step']}: {100 * e['greedy']:.1f}%" for e in ev),
-        f"training reward, first / last 5 steps: {_mean(record['rewards'][:5]):.3f} / {_mean(record['rewards'][-5:]):.3f}",
+        "along the way: " + ", ".join(f"step {e['step']}: {100 * e['greedy_exact']:.1f}%" for e in ev),
+        f"training reward (mean task score of the sampled completions), first / last 5 steps: "
+        f"{_mean(record['rewards'][:5]):.3f} / {_mean(record['rewards'][-5:]):.3f}",
         f"train {record['train_seconds']:.0f} s ({_median(record['step_seconds']):.1f} s per step), "
-        f"evaluation {record['eval_seconds']:.0f} s; one seed ({s['seed']}): see docs/real-model.md for seeds and baselines",
+        f"evaluation {record['eval_seconds']:.0f} s; one seed ({s['seed']}): docs/real-model.md has seeds and baselines",
+        "(task score: 1 for the right number, 0.5 for the right number with the wrong sign, else 0)",
     ]
     return "\n".join(lines)
 
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_event(kind, value):
         if kind == "eval":
-            print(f"  held-out greedy accuracy at step {value['step']}: {100 * value['greedy']:.1f}% "
+            print(f"  held-out greedy accuracy at step {value['step']}: {100 * value['greedy_exact']:.1f}% "
                   f"({value['seconds']:.0f} s)", flush=True)
 
     t0 = time.time()

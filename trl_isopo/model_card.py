@@ -50,7 +50,7 @@ def training_command_section(command: str, recipe_text: str | None = None, descr
     lines = [
         TRAINING_COMMAND_HEADING,
         "",
-        "Trained with `trl-isopo train` (`trl_isopo.scripts.train`, built on TRL):",
+        "Trained with trl-isopo (built on TRL):",
         "",
     ]
     lines += ["```bash", command, "```", ""]

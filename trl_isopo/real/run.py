@@ -181,8 +181,12 @@ def _reference_for(model, reference):
     return getattr(model, "disable_adapter", None)
 
 
-def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=None, save_model: bool = True) -> dict:
-    """Train one run; return a JSON-ready record (settings, eval points, per-step rewards and times)."""
+def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=None, save_model: bool = True,
+               command: str | None = None) -> dict:
+    """Train one run; return a JSON-ready record (settings, eval points, per-step rewards and times).
+
+    With `save_model`, the trained weights (adapter or full) go to `<output_dir>/model` with a model card carrying the
+    method's tags and citation, the task, the held-out results and `command`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from trl_isopo.models import resolve_model_name_or_path
@@ -237,15 +241,25 @@ def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=No
         "params_finite": all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters()),
     }
     if save_model:
+        from trl_isopo.model_card import attach_model_card
+
         model_dir = os.path.join(output_dir, "model")
         trainer.save_model(model_dir)
         tokenizer.save_pretrained(model_dir)
-        trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)),
-                                  dataset_name=f"reasoning-gym/{run.task.name}")
-        for name in ("README.md",):
-            src = os.path.join(output_dir, name)
-            if os.path.exists(src):
-                os.replace(src, os.path.join(model_dir, name))
+        family = {"GRPOTrainer": "grpo", "ISOPOTrainer": "isopo", "TPOTrainer": "tpo"}[REAL_METHODS[run.method][1][1]]
+        base, final = evaluator.points[0], evaluator.points[-1]
+        description = (
+            f"{record['model']}, {'LoRA r=' + str(run.lora_r) if run.lora else 'full weights'}, trained with "
+            f"{run.label()} on {run.task.describe()}; {run.steps} steps x {run.prompts_per_step} prompts x "
+            f"{run.num_generations} completions, lr {run.learning_rate:g}, seed {run.seed}. Held-out accuracy "
+            f"({len(held_eval)} questions never trained on, greedy): base {100 * base['greedy_exact']:.1f}% -> "
+            f"trained {100 * final['greedy_exact']:.1f}%."
+        )
+        attach_model_card(trainer, family, command or f"trl-isopo real --method {run.method}", description=description)
+        trainer.create_model_card(model_name=os.path.basename(os.path.abspath(output_dir)))
+        src = os.path.join(output_dir, "README.md")
+        if os.path.exists(src):
+            os.replace(src, os.path.join(model_dir, "README.md"))
         record["model_dir"] = model_dir
     with open(os.path.join(output_dir, "run.json"), "w") as f:
         json.dump(record, f, indent=1)

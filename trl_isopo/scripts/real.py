@@ -134,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({value['seconds']:.0f} s)", flush=True)
 
     t0 = time.time()
-    record = train_real(run, args.output_dir, progress=not args.no_progress, on_event=on_event)
+    from trl_isopo.model_card import format_command
+
+    command = format_command(["real", *(sys.argv[1:] if argv is None else argv)], prog="trl-isopo")
+    record = train_real(run, args.output_dir, progress=not args.no_progress, on_event=on_event, command=command)
     plot(record, os.path.join(args.output_dir, "real_curves.png"))
     text = report(record)
     with open(os.path.join(args.output_dir, "real_table.txt"), "w") as f:

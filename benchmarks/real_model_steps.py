@@ -119,37 +119,17 @@ def build_data(args):
 def build_trainer(method, mode, args, path, tokenizer, dataset, reward, clock, output_dir):
     import importlib
 
-    import torch
     from transformers.trainer_callback import PrinterCallback
 
     module, trainer_name, config_name, fields = METHODS[method]
     mod = importlib.import_module(module)
     trainer_cls, config_cls = getattr(mod, trainer_name), getattr(mod, config_name)
-    batch = args.prompts * args.generations
-    config = config_cls(
-        output_dir=output_dir,
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        per_device_train_batch_size=batch,  # one micro-batch of whole groups, one optimizer step per generation
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        num_generations=args.generations,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        optim=args.optim,
-        max_grad_norm=1.0,
-        max_steps=args.repeats + 1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=args.seed,
-        data_seed=args.seed,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        **fields,
+    from trl_isopo.real.run import rollout_config
+
+    config = rollout_config(
+        config_cls, output_dir, prompts=args.prompts, generations=args.generations,
+        max_completion_length=args.max_completion_length, temperature=args.temperature,
+        learning_rate=args.learning_rate, max_steps=args.repeats + 1, seed=args.seed, optim=args.optim, **fields,
     )
     peft_config = None
     if mode == "lora":

@@ -52,14 +52,20 @@ def extract_gsm8k_gold(answer: str) -> str:
     return gold.strip().replace(",", "").replace("$", "").rstrip(".")
 
 
-def gsm8k_answer_reward(completions, answer, **kwargs) -> list[float]:
-    """Exact numeric match of the last `<answer>` block against the `answer` column (gold number or full solution)."""
+def numeric_match_rewards(completions, answer, extract) -> list[float]:
+    """1.0 where `extract(completion text)` parses to the gold number of the `answer` column (a gold number or a
+    full GSM8K solution ending in `#### <number>`), else 0.0."""
     rewards = []
     for completion, gold in zip(completions, answer, strict=True):
-        predicted = parse_number(extract_answer_block(completion_text(completion)))
+        predicted = parse_number(extract(completion_text(completion)))
         expected = parse_number(extract_gsm8k_gold(gold)) if "####" in gold else parse_number(gold)
         rewards.append(1.0 if predicted is not None and expected is not None and predicted == expected else 0.0)
     return rewards
+
+
+def gsm8k_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """Exact numeric match of the last `<answer>` block against the `answer` column (gold number or full solution)."""
+    return numeric_match_rewards(completions, answer, extract_answer_block)
 
 
 def _load_raw(path_or_name: str, config: str | None, split: str):

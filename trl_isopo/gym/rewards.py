@@ -143,11 +143,6 @@ class ReasoningGymLastNumberReward(ReasoningGymAnswerReward):
 
 def gsm8k_last_number_reward(completions, answer, **kwargs) -> list[float]:
     """GSM8K exact numeric match of the completion's last number against the `answer` column (1.0 / 0.0)."""
-    from .gsm8k import extract_gsm8k_gold, parse_number
+    from .gsm8k import numeric_match_rewards
 
-    rewards = []
-    for completion, gold in zip(completions, answer, strict=True):
-        predicted = parse_number(extract_last_number(completion_text(completion)))
-        expected = parse_number(extract_gsm8k_gold(gold)) if "####" in gold else parse_number(gold)
-        rewards.append(1.0 if predicted is not None and expected is not None and predicted == expected else 0.0)
-    return rewards
+    return numeric_match_rewards(completions, answer, extract_last_number)

@@ -74,36 +74,48 @@ def _classes(spec):
     return getattr(mod, spec[1]), getattr(mod, spec[2])
 
 
-def _config(run: RealRun, output_dir: str, progress: bool):
-    _, spec, fields = REAL_METHODS[run.method]
-    _, config_cls = _classes(spec)
-    batch = run.prompts_per_step * run.num_generations
-    return config_cls(
+def rollout_config(config_cls, output_dir: str, *, prompts: int, generations: int, max_completion_length: int,
+                   temperature: float, learning_rate: float, max_steps: int, seed: int, progress: bool = False,
+                   **fields):
+    """A CPU-sized `config_cls` (GRPOConfig or a subclass): one micro-batch of `prompts` whole groups per optimizer
+    step and one optimizer step per generation batch (`num_iterations=1`), constant lr, float32, no checkpointing,
+    no saving or reporting. `fields` are the method's own settings (and any override)."""
+    base = dict(
         output_dir=output_dir,
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
-        per_device_train_batch_size=batch,  # one micro-batch of whole groups per optimizer step
+        per_device_train_batch_size=prompts * generations,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=1,
-        num_generations=run.num_generations,
-        max_completion_length=run.max_completion_length,
-        temperature=run.temperature,
-        learning_rate=run.learning_rate,
+        num_generations=generations,
+        max_completion_length=max_completion_length,
+        temperature=temperature,
+        learning_rate=learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        max_steps=run.steps,
+        max_steps=max_steps,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        seed=run.seed,
-        data_seed=run.seed,
+        seed=seed,
+        data_seed=seed,
         gradient_checkpointing=False,
         disable_tqdm=not progress,
-        model_init_kwargs={"dtype": "float32"},
-        **fields,
+    )
+    return config_cls(**{**base, **fields})
+
+
+def _config(run: RealRun, output_dir: str, progress: bool):
+    _, spec, fields = REAL_METHODS[run.method]
+    _, config_cls = _classes(spec)
+    return rollout_config(
+        config_cls, output_dir, prompts=run.prompts_per_step, generations=run.num_generations,
+        max_completion_length=run.max_completion_length, temperature=run.temperature,
+        learning_rate=run.learning_rate, max_steps=run.steps, seed=run.seed, progress=progress,
+        model_init_kwargs={"dtype": "float32"}, **fields,
     )
 
 

@@ -9,7 +9,6 @@ trained weights with a model card, a plot of training reward and held-out accura
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

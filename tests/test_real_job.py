@@ -118,3 +118,22 @@ def test_real_quick_job_end_to_end(tmp_path):
     card = (tmp_path / "model" / "README.md").read_text()
     assert "ISOPO" in card or "isopo" in card
     assert "held-out accuracy" in (tmp_path / "real_table.txt").read_text()
+
+
+@pytest.mark.slow
+def test_benchmark_run_records_accuracy_score_and_kl(tmp_path):
+    """The learning benchmark's run: greedy and sampled accuracy and score, KL on probe prompts, per-step rewards and
+    seconds, finite parameters; tiny sizes on the real model."""
+    pytest.importorskip("gguf")
+    from trl_isopo.real.run import RealRun, train_real
+
+    run = RealRun(method="isopo", steps=2, prompts_per_step=2, num_generations=2, max_completion_length=6,
+                  eval_size=4, eval_every=1, eval_sampled=True, kl_prompts=2, kl_samples=1, learning_rate=1e-3)
+    record = train_real(run, str(tmp_path), progress=False, save_model=False)
+    assert [e["step"] for e in record["evals"]] == [0, 1, 2]
+    for e in record["evals"]:
+        assert {"greedy", "greedy_exact", "sampled", "sampled_exact", "kl"} <= set(e)
+        assert 0.0 <= e["greedy_exact"] <= e["greedy"] <= 1.0
+    # 0 before training; after it >= 0 (with 4 short completions the rewards may all tie: no update, KL exactly 0)
+    assert record["evals"][0]["kl"] == 0.0 and record["evals"][-1]["kl"] >= 0.0
+    assert len(record["rewards"]) == len(record["step_seconds"]) == 2 and record["params_finite"]

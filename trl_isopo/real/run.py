@@ -122,12 +122,12 @@ def _config(run: RealRun, output_dir: str, progress: bool):
 class _Evaluator:
     """Held-out accuracy and KL at a given step; remembers every evaluation."""
 
-    def __init__(self, run: RealRun, tokenizer, held_out, train_proc, reference):
+    def __init__(self, run: RealRun, tokenizer, held_out, probe_entries, train_proc, reference):
         from .evaluate import chat_prompts
 
         self.run, self.tokenizer, self.held_out, self.train_proc = run, tokenizer, held_out, train_proc
         self.reference = reference
-        self.probe = chat_prompts(tokenizer, [e["question"] for e in held_out[: run.kl_prompts]],
+        self.probe = chat_prompts(tokenizer, [e["question"] for e in probe_entries],
                                   run.task.system_prompt)
         self.points: list[dict] = []
         self.seconds = 0.0
@@ -215,8 +215,8 @@ def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=No
     train, held_out, train_proc = make_splits(run.task, n_train=max(n_train, 8), n_eval=max(run.eval_size, run.kl_prompts))
     held_eval = held_out[: run.eval_size]
     reference = None if run.lora else copy.deepcopy(model).eval().requires_grad_(False)
-    evaluator = _Evaluator(run, tokenizer, held_eval if not run.kl_prompts else held_out, train_proc, reference)
-    evaluator.held_out = held_eval
+    # KL probe prompts: the first held-out questions (never trained on), possibly more than are scored
+    evaluator = _Evaluator(run, tokenizer, held_eval, held_out[: run.kl_prompts], train_proc, reference)
     base = evaluator(0, model, reference=model)  # before training pi = pi_0
     if on_event:
         on_event("eval", base)

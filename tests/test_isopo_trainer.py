@@ -49,6 +49,16 @@ def run(tiny_model_dir, tiny_tokenizer, args, **kw):
     return trainer, before, changed
 
 
+def resume_and_compare(model_dir, tokenizer, args, checkpoint, straight):
+    """Resume a fresh trainer from `checkpoint`, train to the end; its parameters must equal `straight`'s bit for bit."""
+    resumed = ISOPOTrainer(model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(32),
+                           processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), n
+    return resumed
+
+
 @pytest.mark.parametrize(
     "variant",
     [
@@ -204,13 +214,7 @@ def test_resume_from_checkpoint_is_bit_exact(tiny_model_dir, tiny_tokenizer, tmp
     assert state["ema"]["decay"] == 0.9
     assert bool(state["ema"]["ema"]) == (reference != "batch_median")  # batch_median keeps no history
     assert all(k.endswith("@median") == (reference == "ema_median") for k in state["ema"]["ema"])
-    resumed = ISOPOTrainer(
-        tiny_model_dir, tiny_reward, args=config(tmp_path / "b", **common), train_dataset=tiny_prompt_dataset(32),
-        processing_class=tiny_tokenizer,
-    )
-    resumed.train(resume_from_checkpoint=str(ckpt))
-    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), n
+    resumed = resume_and_compare(tiny_model_dir, tiny_tokenizer, config(tmp_path / "b", **common), ckpt, straight)
     assert resumed.isopo_context.ema.ema == straight.isopo_context.ema.ema
 
 
@@ -248,13 +252,7 @@ def test_state_is_in_the_checkpoint_before_push_and_rotation(tiny_model_dir, tin
     run(tiny_model_dir, tiny_tokenizer, config(tmp_path / "c", **common2))
     ckpt = tmp_path / "c" / "out" / "checkpoint-3"
     assert (ckpt / "isopo_state.json").exists()
-    resumed = ISOPOTrainer(
-        tiny_model_dir, tiny_reward, args=config(tmp_path / "d", **common2), train_dataset=tiny_prompt_dataset(32),
-        processing_class=tiny_tokenizer,
-    )
-    resumed.train(resume_from_checkpoint=str(ckpt))
-    for (n, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
-        assert torch.equal(p, q), n
+    resume_and_compare(tiny_model_dir, tiny_tokenizer, config(tmp_path / "d", **common2), ckpt, straight)
 
 
 def test_reward_funcs_is_optional_like_grpo_trainer():

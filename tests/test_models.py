@@ -174,11 +174,11 @@ def test_train_script_resolves_the_alias(cache, monkeypatch):
         (["--config", smol, "--tokenizer_name_or_path", "smollm2"], target),
         (["--config", qwen, "--model_name_or_path", "SmolLM2"], None),
     ):
-        script_args, training_args, model_args = train_script.parse_args([*argv, *cpu])
+        script_args, training_args, model_args, _ = train_script.parse_args([*argv, *cpu])
         train_script.resolve_model_aliases(script_args, model_args, training_args)
         assert model_args.model_name_or_path == target
         assert script_args.tokenizer_name_or_path == tokenizer
-    script_args, training_args, model_args = train_script.parse_args(["--config", qwen, *cpu])
+    script_args, training_args, model_args, _ = train_script.parse_args(["--config", qwen, *cpu])
     train_script.resolve_model_aliases(script_args, model_args, training_args)
     assert model_args.model_name_or_path == "Qwen/Qwen3-0.6B"  # Hub ids unchanged
 

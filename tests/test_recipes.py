@@ -109,7 +109,7 @@ def test_recipe_matrix_is_complete():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_parses(recipe):
     """Every recipe parses with its method's config class; names, tasks and the papers' values are as documented."""
-    script_args, training_args, model_args = train_script.parse_args(["--config", os.path.join(ROOT, recipe), *CPU])
+    script_args, training_args, model_args, _ = train_script.parse_args(["--config", os.path.join(ROOT, recipe), *CPU])
     _, model, task, name = recipe.split("/")
     method, lora = name[: -len(".yaml")].removesuffix("_lora"), name.endswith("_lora.yaml")
     config_cls, _ = train_script.method_classes(method)
@@ -331,7 +331,7 @@ def test_resume_from_checkpoint_continues(tiny_model_dir, tmp_path):
 # ------------------------------------------------------------------------------------------------ bad configs
 def test_clear_errors(tiny_model_dir, tmp_path):
     recipe = os.path.join(ROOT, "recipes/Qwen3-0.6B/gsm8k/grpo.yaml")
-    with pytest.raises(ValueError, match=r"Unknown arguments from config file: \['--isopo_p'"):
+    with pytest.raises(ValueError, match=r"Unknown argument\(s\) for `trl-isopo grpo`: \['--isopo_p'"):
         bad = tmp_path / "bad.yaml"
         bad.write_text(open(recipe).read() + "isopo_p: -1.0\n")
         train_script.parse_args(["--config", str(bad), *CPU])
@@ -474,7 +474,7 @@ def test_smollm2_recipe_matrix_is_complete():
 @pytest.mark.parametrize("recipe", SMOLLM2_RECIPES)
 def test_smollm2_recipe_parses(recipe):
     """CPU-sized values on the real model alias; parsing does not touch the model (no conversion)."""
-    script_args, training_args, model_args = train_script.parse_args(["--config", os.path.join(ROOT, recipe), *CPU])
+    script_args, training_args, model_args, _ = train_script.parse_args(["--config", os.path.join(ROOT, recipe), *CPU])
     method, lora = os.path.basename(recipe)[: -len(".yaml")].removesuffix("_lora"), recipe.endswith("_lora.yaml")
     assert type(training_args) is train_script.method_classes(method)[0]
     assert model_args.model_name_or_path == "smollm2" and script_args.tokenizer_name_or_path is None

@@ -1,7 +1,9 @@
-"""`trl-isopo` console script: `real`, `demo`, `compare`, `train` (no command prints this help).
+"""`trl-isopo` console script (no command prints this help).
 
-Each sub-command lives in `trl_isopo.scripts.<name>` and exposes `main(argv)`. Also runnable as
-`python -m trl_isopo.cli ...` and `accelerate launch -m trl_isopo.cli train ...`.
+`isopo`, `tpo`, `grpo`: TRL's `trl grpo` arguments for each method (`trl_isopo.scripts.train`, method fixed);
+`train`: a YAML recipe naming its method; `real`, `demo`, `compare`: this package's experiments. Each command lives
+in a module exposing `main(argv)`. Also runnable as `python -m trl_isopo.cli ...` and
+`accelerate launch -m trl_isopo.cli <command> ...`.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
+    "isopo": ("trl_isopo.scripts.train", "train with ISOPO; the arguments of TRL's `trl grpo` plus ISOPO's knobs"),
+    "tpo": ("trl_isopo.scripts.train", "train with TPO; the arguments of TRL's `trl grpo` plus TPO's knobs"),
+    "grpo": ("trl_isopo.scripts.train", "train with TRL's GRPO (baseline), same arguments and data options"),
     "real": ("trl_isopo.scripts.real", "RL fine-tuning of SmolLM2-135M-Instruct on a Reasoning Gym arithmetic task"),
     "demo": ("trl_isopo.scripts.demo", "GRPO vs REINFORCE vs ISOPO vs TPO on a tiny offline toy task (random-init model)"),
     "compare": ("trl_isopo.scripts.compare", "resumable sweeps over tasks / methods / seeds (paper reproduction)"),
     "train": ("trl_isopo.scripts.train", "train from a YAML recipe (GRPO, ISOPO or TPO), accelerate-launchable"),
 }
+
+METHOD_COMMANDS = ("isopo", "tpo", "grpo")
 
 
 def _usage() -> str:
@@ -37,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = import_module(COMMANDS[command][0])
+    if command in METHOD_COMMANDS:
+        return int(module.main(argv, method=command) or 0)
     return int(module.main(argv) or 0)
 
 

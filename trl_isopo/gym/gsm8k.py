@@ -11,10 +11,10 @@ to the gold number, else 0.0. Before comparing, `$`, thousands separators `,`, s
 
 from __future__ import annotations
 
-import os
 import re
 from decimal import Decimal, InvalidOperation
 
+from .loading import load_split
 from .reasoning_gym_data import DEFAULT_SYSTEM_PROMPT, make_prompt_messages, render_prompt
 from .rewards import completion_text
 
@@ -68,25 +68,6 @@ def gsm8k_answer_reward(completions, answer, **kwargs) -> list[float]:
     return numeric_match_rewards(completions, answer, extract_answer_block)
 
 
-def _load_raw(path_or_name: str, config: str | None, split: str):
-    from datasets import DatasetDict, load_dataset, load_from_disk
-
-    if os.path.isfile(path_or_name):
-        ext = os.path.splitext(path_or_name)[1].lower().lstrip(".")
-        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
-        if builder is None:
-            raise ValueError(f"Unsupported GSM8K file {path_or_name!r}: use .jsonl/.json/.parquet/.csv.")
-        return load_dataset(builder, data_files=path_or_name, split="train")
-    if os.path.isdir(path_or_name) and (
-        os.path.exists(os.path.join(path_or_name, "dataset_dict.json"))
-        or os.path.exists(os.path.join(path_or_name, "state.json"))
-    ):
-        loaded = load_from_disk(path_or_name)
-        return loaded[split] if isinstance(loaded, DatasetDict) else loaded
-    # A local folder of data files or a Hub dataset id (needs network unless cached).
-    return load_dataset(path_or_name, config, split=split)
-
-
 def load_gsm8k(
     path_or_name: str = "openai/gsm8k",
     config: str | None = "main",
@@ -101,7 +82,7 @@ def load_gsm8k(
     `path_or_name`: a `.jsonl`/`.json`/`.parquet`/`.csv` file (its rows are the split), a `save_to_disk` folder, a
     local dataset folder, or a Hub id (`openai/gsm8k` with config `main`). `size`: first N rows (None = all).
     """
-    raw = _load_raw(path_or_name, config, split)
+    raw = load_split(path_or_name, config, split)
     missing = {"question", "answer"} - set(raw.column_names)
     if missing:
         raise ValueError(f"GSM8K data {path_or_name!r} lacks column(s) {sorted(missing)}; found {raw.column_names}.")

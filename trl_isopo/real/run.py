@@ -233,6 +233,10 @@ def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=No
     trainer = trainer_cls(model=model, reward_funcs=make_reward(train_proc), args=args, train_dataset=train,
                           processing_class=tokenizer, peft_config=peft_config)
     trainer.add_callback(_callback(evaluator, run, step_times, rewards, on_event))
+    if not progress:  # without the bar, transformers prints every step's log dict; the run reports its own lines
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)
     t0 = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - t0 - (evaluator.seconds - base["seconds"])

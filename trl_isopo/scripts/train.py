@@ -1,12 +1,29 @@
-"""`trl-isopo train`: GRPO (baseline), ISOPO or TPO from a YAML recipe, on Reasoning Gym tasks or GSM8K.
+"""`trl-isopo isopo|tpo|grpo` (TRL's `trl grpo` arguments) and `trl-isopo train` (a YAML recipe naming its method).
 
+    trl-isopo isopo --model_name_or_path smollm2 --dataset_name data.jsonl --reward_funcs accuracy_reward
+    trl-isopo tpo --config recipes/SmolLM2-135M-Instruct/chain_sum/tpo.yaml --num_processes 2
     trl-isopo train --config recipes/Qwen3-0.6B/gsm8k/isopo.yaml [--flag value ...]
-    accelerate launch --config_file recipes/accelerate/ddp.yaml -m trl_isopo.cli train --config ... [--flag value ...]
 
-Built like TRL's own `trl/scripts/grpo.py`: `TrlParser((TrainScriptArguments, <Method>Config, ModelConfig))`, the
-YAML gives defaults, command-line flags override them, a YAML `env:` block sets environment variables. The method
-(`grpo`, `isopo`, `tpo`) is read first (`--method` on the command line, else `method:` in the YAML, else `grpo`) so
-that the right config class parses the recipe; a knob of another method is then an "unknown argument" error.
+Built like TRL's own `trl/scripts/grpo.py`: `TrlParser((TrainScriptArguments, <Method>Config, ModelConfig,
+DatasetMixtureConfig))`, the YAML gives defaults, command-line flags override them, a YAML `env:` block sets
+environment variables. With `train`, the method is read first (`--method` on the command line, else `method:` in the
+YAML, else `grpo`) so that the right config class parses the recipe; a knob of another method is then an "unknown
+argument" error. `isopo`/`tpo`/`grpo` fix the method (a different `method:` in the YAML is an error).
+
+Data (one of):
+- `--task`: GSM8K (`gsm8k`, from `--dataset_name`: Hub id, file or folder) or a Reasoning Gym task (procedural,
+  offline; `--dataset_size`, `--task_config`) with this package's rewards `answer` / `last_number` / `format`;
+- `--dataset_name`: a Hub id, a local folder (`save_to_disk` or data files) or one `.jsonl/.json/.parquet/.csv` file
+  with a `prompt` column (`--dataset_config`, `--dataset_train_split`, `--dataset_test_split` as in TRL);
+- `datasets:` in the YAML (TRL's `DatasetMixtureConfig`: several sources, `data_files`, `fraction`, `test_split_size`).
+
+Rewards: `--reward_funcs` takes TRL's built-in names (`accuracy_reward`, `reasoning_accuracy_reward`,
+`think_format_reward`, `get_soft_overlong_punishment`), this package's task rewards (with `--task`), or dotted
+import paths; `--reward_model_name_or_path` adds a reward model (as in TRL).
+
+Launch: arguments the training parser does not know are `accelerate launch` arguments (`--num_processes 2`,
+`--accelerate_config ddp|zero2|zero3|fsdp2|<file>`, ...); with any, the command re-runs itself under
+`accelerate launch` (see `trl_isopo.scripts.launch`). `accelerate launch -m trl_isopo.cli isopo ...` also works.
 
 Model: `model_name_or_path` is passed to the trainer as a path/id with `model_init_kwargs` from `ModelConfig`
 (`dtype`, `attn_implementation`, `model_revision`), `get_peft_config(model_args)` (`--use_peft --lora_r ...`) and
@@ -50,7 +67,8 @@ class TrainScriptArguments(ScriptArguments):
 
     Args:
         method: `grpo`, `isopo` or `tpo`; selects the config/trainer classes.
-        task: `gsm8k`, any Reasoning Gym task name (`graph_color`, `knights_knaves`, ...) or `composite`.
+        task: `gsm8k`, any Reasoning Gym task name (`graph_color`, `knights_knaves`, ...) or `composite`; unset:
+            the prompts come from `dataset_name` / `datasets` as in `trl grpo`.
         task_config: Reasoning Gym config fields (difficulty), e.g. `{num_colors: 3, min_num_vertices: 10}`; for
             `composite`: `{datasets: [{name: graph_color, weight: 1.0, config: {...}}, ...]}`. JSON on the command
             line.
@@ -59,15 +77,18 @@ class TrainScriptArguments(ScriptArguments):
             give overlapping datasets.
         eval_dataset_size / eval_dataset_seed: evaluation set (used when `eval_strategy != "no"`); the default eval
             seed `dataset_seed + dataset_size` makes it disjoint from the training items.
-        eval_dataset_name: GSM8K evaluation data; default: `dataset_name` at `dataset_test_split`. Required when
-            `dataset_name` is a single file (a file has no test split).
+        eval_dataset_name: evaluation data (GSM8K or `dataset_name` data); default: `dataset_name` at
+            `dataset_test_split`. Required when `dataset_name` is a single file (a file has no test split).
         system_prompt: a key of `reasoning_gym.utils.SYSTEM_PROMPTS` (`default` asks for `<answer>` tags), literal
             text, or `none`.
         prompt_format: `conversational` (TRL applies the model's chat template, with `chat_template_kwargs`) or
             `text` (rendered with the tokenizer's chat template when the dataset is built).
-        reward_funcs: `answer` (the task's own score / GSM8K exact match on the `<answer>` block), `last_number`
-            (the same score on the completion's last number), `format` (`<answer>` format), or dotted import paths
-            of TRL reward functions. Weights: `reward_weights` of the training config.
+        reward_funcs: TRL's built-in rewards (`accuracy_reward`, `reasoning_accuracy_reward`,
+            `think_format_reward`, `get_soft_overlong_punishment`), with `task`: `answer` (the task's own score /
+            GSM8K exact match on the `<answer>` block, the default there), `last_number` (the same score on the
+            completion's last number), `format` (`<answer>` format); or dotted import paths. Weights:
+            `reward_weights` of the training config.
+        reward_model_name_or_path: a reward model (Hub id or local folder), added before `reward_funcs` (as TRL).
         tokenizer_name_or_path: tokenizer to load (default: `model_name_or_path`); see the module doc for the rule.
             Like `model_name_or_path`, it accepts the alias `smollm2`.
     """
@@ -92,7 +113,8 @@ class TrainScriptArguments(ScriptArguments):
     eval_dataset_name: str | None = field(
         default=None,
         metadata={
-            "help": "GSM8K evaluation data (Hub id, file or folder); default: dataset_name's dataset_test_split."
+            "help": "Evaluation data (Hub id, file or folder) for gsm8k or --dataset_name; default: dataset_name's "
+            "dataset_test_split."
         },
     )
     system_prompt: str | None = field(
@@ -101,8 +123,15 @@ class TrainScriptArguments(ScriptArguments):
     prompt_format: str = field(
         default="conversational", metadata={"help": "conversational or text.", "choices": ["conversational", "text"]}
     )
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["answer"], metadata={"help": "answer, last_number, format, or dotted import paths."}
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment; "
+            "with --task: answer (default there), last_number, format; or dotted import paths."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Reward model id or local folder (added before reward_funcs)."}
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer (default: the model)."})
 
@@ -134,8 +163,8 @@ def method_classes(method: str):
         ) from exc
 
 
-def peek_method(argv: list[str]) -> str:
-    """`--method X` / `--method=X` on the command line, else `method:` in the `--config` YAML, else `grpo`."""
+def peek_method(argv: list[str], default: str | None = "grpo") -> str | None:
+    """`--method X` / `--method=X` on the command line, else `method:` in the `--config` YAML, else `default`."""
     for i, arg in enumerate(argv):
         if arg == "--method" and i + 1 < len(argv):
             return argv[i + 1]
@@ -149,32 +178,99 @@ def peek_method(argv: list[str]) -> str:
             config = yaml.safe_load(f) or {}
         if isinstance(config, dict) and "method" in config:
             return str(config["method"])
-    return "grpo"
+    return default
 
 
 def make_parser(method: str = "grpo", prog: str | None = "trl-isopo train"):
-    from trl import ModelConfig, TrlParser
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
     config_cls, _ = method_classes(method)
-    return TrlParser((TrainScriptArguments, config_cls, ModelConfig), prog=prog)
+    return TrlParser((TrainScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
 
 
-def parse_args(argv: list[str]):
-    """(script_args, training_args, model_args) for `argv` (without the leading `train`)."""
+def fix_method(argv: list[str], method: str | None) -> list[str]:
+    """`argv` of a fixed-method command (`trl-isopo isopo ...`): `--method` is set, a different one is an error."""
+    if method is None:
+        return list(argv)
+    given = peek_method(argv, default=None)
+    if given is not None and given != method:
+        raise ValueError(
+            f"`trl-isopo {method}` got method {given!r} (from --method or the YAML's `method:`): drop it or run "
+            f"`trl-isopo {given}`."
+        )
+    return ["--method", method, *argv]
+
+
+def parse_args(argv: list[str], method: str | None = None, return_launch_args: bool = False):
+    """(script_args, training_args, model_args, dataset_args) for `argv` (without the command name); with
+    `return_launch_args`, also the `accelerate launch` arguments found (see `trl_isopo.scripts.launch`) and the
+    training arguments without them."""
+    from trl_isopo.scripts import launch
+
+    prog = f"trl-isopo {method or 'train'}"
+    argv = fix_method(argv, method)
     method = peek_method(argv)
-    parser = make_parser(method)
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    parser = make_parser(method, prog=prog)
+    *parsed, config_rest, cli_rest = parser.parse_args_and_config(
+        args=argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    script_args, training_args, model_args, dataset_args = parsed
     if script_args.method != method:  # e.g. `--method=x` spelled in a way peek_method did not see
         raise ValueError(f"method mismatch: parsed {script_args.method!r} but the parser was built for {method!r}.")
-    check_script_args(script_args, training_args)
-    return script_args, training_args, model_args
+    check_script_args(script_args, training_args, dataset_args)
+    command = script_args.method
+    if launch.in_launched_worker():
+        # The launcher consumed its arguments; a YAML's launch keys (num_processes, ...) are read again here.
+        launch.check_launch_args(config_rest, command)
+        if cli_rest:
+            raise ValueError(f"Unknown argument(s) for `trl-isopo {command}`: {cli_rest}.")
+        config_rest = []
+    launch_args = config_rest + cli_rest
+    if launch_args:
+        launch.check_launch_args(launch_args, command)
+    if not return_launch_args:
+        if launch_args:
+            raise ValueError(f"Unknown argument(s) for `trl-isopo {command}`: {launch_args}.")
+        return script_args, training_args, model_args, dataset_args
+    training_argv = _subtract_subsequence(argv, cli_rest)
+    return (script_args, training_args, model_args, dataset_args), launch_args, training_argv
 
 
-def check_script_args(script_args, training_args) -> None:
+def _subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
+    """`items` without the ordered `subsequence` (the argparse leftovers keep their order)."""
+    rest, it = [], iter(subsequence)
+    current = next(it, None)
+    for item in items:
+        if current is not None and item == current:
+            current = next(it, None)
+        else:
+            rest.append(item)
+    return rest
+
+
+def check_script_args(script_args, training_args, dataset_args=None) -> None:
     """The script's own checks. ISOPOConfig / TPOConfig validate their method rules (beta=0, whole groups per
     micro-batch, ...) while the recipe is parsed, with the fix in the message."""
+    mixture = bool(dataset_args is not None and dataset_args.datasets)
+    if script_args.task is None and not script_args.dataset_name and not mixture:
+        raise ValueError(
+            "No training data: set --dataset_name (Hub id, local folder or .jsonl/.json/.parquet/.csv file), a "
+            "`datasets:` list in the YAML, or --task (gsm8k, a Reasoning Gym task name, or composite)."
+        )
+    if script_args.task is not None and script_args.task != "gsm8k" and mixture:
+        raise ValueError("--task builds its own prompts: remove the `datasets:` list or the task.")
     if script_args.task is None:
-        raise ValueError("Set `task` (gsm8k, a Reasoning Gym task name, or composite) in the recipe or with --task.")
+        task_only = sorted(set(script_args.reward_funcs or []) & set(TASK_REWARDS))
+        if task_only:
+            raise ValueError(
+                f"reward(s) {task_only} score a --task's answers; with --dataset_name / datasets use TRL's "
+                f"{sorted(TRL_REWARDS)} or a dotted import path."
+            )
+        if not script_args.reward_funcs and not script_args.reward_model_name_or_path:
+            raise ValueError(
+                "No reward: set --reward_funcs (e.g. accuracy_reward, which reads a `solution` column) or "
+                "--reward_model_name_or_path."
+            )
 
 
 # ---------------------------------------------------------------------------------------------------- model / data
@@ -257,10 +353,95 @@ def _resolve(path: str):
         sys.path.pop(0)
 
 
-def build_data_and_rewards(script_args, training_args, tokenizer):
+# Reward names: TRL's built-ins (as `trl grpo` registers them) and this package's task rewards (need --task).
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+TASK_REWARDS = ("answer", "last_number", "format")
+
+
+def trl_reward(name: str, training_args):
+    """A TRL built-in reward by name. `get_soft_overlong_punishment` uses the run's `max_completion_length` and a
+    soft zone of its last 20 % (TRL's script hard-codes 1280 / 256, which punishes nothing for short runs)."""
+    from trl import rewards
+
+    if name == "get_soft_overlong_punishment":
+        limit = training_args.max_completion_length
+        return rewards.get_soft_overlong_punishment(max_completion_len=limit, soft_punish_cache=max(1, limit // 5))
+    if name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        from trl.import_utils import is_math_verify_available
+
+        if not is_math_verify_available():
+            raise ImportError(f"{name} needs math-verify: `pip install 'math-verify>=0.5.2'`.")
+    return getattr(rewards, name)
+
+
+def resolve_reward_funcs(script_args, training_args, task_rewards: dict | None) -> list:
+    """Reward functions/models from `reward_model_name_or_path` and `reward_funcs` (names, task names, dotted)."""
+    funcs: list = []
+    if script_args.reward_model_name_or_path:
+        funcs.append(script_args.reward_model_name_or_path)
+    for name in script_args.reward_funcs or (["answer"] if task_rewards else []):
+        if name in TRL_REWARDS:
+            funcs.append(trl_reward(name, training_args))
+        elif task_rewards is not None and name in task_rewards:
+            funcs.append(task_rewards[name])
+        elif "." in name:
+            funcs.append(_resolve(name))
+        else:
+            known = sorted(TRL_REWARDS) + (sorted(task_rewards) if task_rewards else [])
+            raise ValueError(f"Unknown reward function {name!r}: use one of {known} or a dotted import path.")
+    return funcs
+
+
+def build_generic_data(script_args, training_args, dataset_args):
+    """(train, eval or None, hub dataset name or None, card description) from `dataset_name` or `datasets:`."""
+    from trl import get_dataset
+
+    from trl_isopo.gym.loading import check_prompt_column, is_data_file, load_split
+
+    want_eval = training_args.eval_strategy != "no"
+    if dataset_args is not None and dataset_args.datasets:
+        if script_args.dataset_name:
+            raise ValueError("Both `datasets:` and --dataset_name are set: keep one (TRL would ignore dataset_name).")
+        loaded = get_dataset(dataset_args)
+        train = loaded[script_args.dataset_train_split]
+        eval_dataset = None
+        if want_eval:
+            if script_args.dataset_test_split not in loaded:
+                raise ValueError(
+                    f"eval_strategy={training_args.eval_strategy!r} needs an evaluation split but the mixture has "
+                    f"{sorted(loaded)}: set `test_split_size` in the YAML or --eval_strategy no."
+                )
+            eval_dataset = loaded[script_args.dataset_test_split]
+        sources = ", ".join(f"`{d.path}`" for d in dataset_args.datasets)
+        description, hub = f"Data: mixture of {sources}.", None
+    else:
+        name = script_args.dataset_name
+        common = dict(config=script_args.dataset_config, streaming=script_args.dataset_streaming)
+        train = load_split(name, split=script_args.dataset_train_split, **common)
+        eval_dataset = None
+        if want_eval:
+            eval_name = script_args.eval_dataset_name or name
+            if is_data_file(eval_name) and eval_name == name:
+                raise ValueError(
+                    f"dataset_name={name!r} is a single file, so it has no separate test split: pass the evaluation "
+                    "data with --eval_dataset_name (or --eval_strategy no)."
+                )
+            eval_dataset = load_split(eval_name, split=script_args.dataset_test_split, **common)
+        hub = None if os.path.exists(name) else name
+        description = f"Data: `{name}` (split `{script_args.dataset_train_split}`)."
+    check_prompt_column(train, "The training data")
+    if eval_dataset is not None:
+        check_prompt_column(eval_dataset, "The evaluation data")
+    return train, eval_dataset, hub, description
+
+
+def build_data_and_rewards(script_args, training_args, tokenizer, dataset_args=None):
     """(train_dataset, eval_dataset or None, reward_funcs, hub dataset name or None, card description)."""
     from trl_isopo import gym
 
+    if script_args.task is None:
+        train, eval_dataset, hub, description = build_generic_data(script_args, training_args, dataset_args)
+        return train, eval_dataset, resolve_reward_funcs(script_args, training_args, None), hub, description
     render_with = tokenizer if script_args.prompt_format == "text" else None
     template_kwargs = training_args.chat_template_kwargs if render_with is not None else None
     want_eval = training_args.eval_strategy != "no"  # IntervalStrategy is a str enum
@@ -334,20 +515,15 @@ def build_data_and_rewards(script_args, training_args, tokenizer):
             f"seed {script_args.dataset_seed}, "
             f"config `{json.dumps(script_args.task_config or {})}`); reward: the task's own `score_answer`."
         )
-    registry = {"answer": answer_reward, "last_number": last_number_reward, "format": gym.format_reward}
-    reward_funcs = []
-    for name in script_args.reward_funcs:
-        if name in registry:
-            reward_funcs.append(registry[name])
-        elif "." in name:
-            reward_funcs.append(_resolve(name))
-        else:
-            raise ValueError(f"Unknown reward function {name!r}: use {sorted(registry)} or a dotted import path.")
+    task_rewards = {"answer": answer_reward, "last_number": last_number_reward, "format": gym.format_reward}
+    reward_funcs = resolve_reward_funcs(script_args, training_args, task_rewards)
     return train, eval_dataset, reward_funcs, hub_dataset, description
 
 
 # -------------------------------------------------------------------------------------------------------- training
-def build_trainer(script_args, training_args, model_args, command: str | None = None, callbacks=None):
+def build_trainer(
+    script_args, training_args, model_args, command: str | None = None, callbacks=None, dataset_args=None
+):
     """The trainer for parsed arguments, with the tokenizer rule, PEFT/QLoRA and the model card attached."""
     from trl import get_peft_config
 
@@ -366,10 +542,10 @@ def build_trainer(script_args, training_args, model_args, command: str | None = 
     )
     with training_args.main_process_first(desc="building the datasets"):  # one rank fills the datasets cache first
         train, eval_dataset, reward_funcs, hub_dataset, description = build_data_and_rewards(
-            script_args, training_args, tokenizer
+            script_args, training_args, tokenizer, dataset_args
         )
     prompts_per_generation = training_args.generation_batch_size // training_args.num_generations
-    if len(train) < prompts_per_generation:
+    if hasattr(train, "__len__") and len(train) < prompts_per_generation:  # (a streamed dataset has no length)
         raise ValueError(
             f"The training set has {len(train)} prompts but one generation batch needs {prompts_per_generation} "
             f"(generation_batch_size {training_args.generation_batch_size} / num_generations "
@@ -397,7 +573,8 @@ def build_trainer(script_args, training_args, model_args, command: str | None = 
         description += (
             f" Launched on {world} processes ({trainer.accelerator.distributed_type.value}) with `accelerate launch`."
         )
-    attach_model_card(trainer, script_args.method, command or format_command(argv), recipe_text, description)
+    prog = getattr(script_args, "_prog", "trl-isopo train")
+    attach_model_card(trainer, script_args.method, command or format_command(argv, prog=prog), recipe_text, description)
     trainer._trl_isopo_dataset_name = hub_dataset
     return trainer
 
@@ -434,13 +611,15 @@ def resolve_resume(value):
     return value
 
 
-def run(argv: list[str] | None = None, callbacks=None):
-    """Parse, train, save (with model card), push if asked; returns the trainer."""
+def run(argv: list[str] | None = None, callbacks=None, method: str | None = None):
+    """Parse, train, save (with model card), push if asked, in this process; returns the trainer. `method` fixes
+    the method (`trl-isopo isopo|tpo|grpo`); None reads it from the arguments (`trl-isopo train`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    script_args, training_args, model_args = parse_args(argv)
+    script_args, training_args, model_args, dataset_args = parse_args(argv, method)
     script_args._argv = argv
+    script_args._prog = f"trl-isopo {method or 'train'}"
     resume = resolve_resume(training_args.resume_from_checkpoint)
-    trainer = build_trainer(script_args, training_args, model_args, callbacks=callbacks)
+    trainer = build_trainer(script_args, training_args, model_args, callbacks=callbacks, dataset_args=dataset_args)
     trainer.train(resume_from_checkpoint=resume)
     trainer.accelerator.print(
         f"Training completed ({trainer.accelerator.num_processes} process(es), {trainer.state.global_step} steps)."
@@ -458,8 +637,16 @@ def run(argv: list[str] | None = None, callbacks=None):
     return trainer
 
 
-def main(argv: list[str] | None = None) -> int:
-    run(argv)
+def main(argv: list[str] | None = None, method: str | None = None) -> int:
+    """Entry point of `trl-isopo train` / `trl-isopo <method>`: self-launches under `accelerate launch` when
+    launch arguments are given (`--num_processes`, `--accelerate_config`, ...), else trains in this process."""
+    from trl_isopo.scripts import launch
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _, launch_args, training_argv = parse_args(argv, method, return_launch_args=True)
+    if launch_args:
+        return launch.launch(method or "train", launch_args, training_argv)
+    run(argv, method=method)
     return 0
 
 

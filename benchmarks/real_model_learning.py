@@ -7,8 +7,10 @@ after, the training reward per step and the seconds per step. Results are append
 line, so an interrupted sweep resumes where it stopped (a run already in the file is skipped), and several processes can
 share one list (each run is claimed by one process).
 
-    # learning-rate sweep (1 seed), then the comparison (3 seeds), then the report
-    python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,3e-4,1e-3 --seeds 0
+    # learning-rate sweep: seed 0, 8 steps (the lr is constant, so an 8-step run is the first half of a 16-step
+    # run with the same seed; 16-step runs' step-8 evaluations count for their lr), then the comparison
+    python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,1e-3 --seeds 0 --steps 8
+    python benchmarks/real_model_learning.py sweep            # per method: step-8 scores by lr, the pick
     python benchmarks/real_model_learning.py run --methods grpo=3e-4,reinforce=3e-4,isopo=3e-4,tpo=3e-4 --seeds 0-2
     python benchmarks/real_model_learning.py report
 """
@@ -174,6 +176,43 @@ def cmd_report(args) -> int:
     return 0
 
 
+def sweep_points(results: list[dict], step: int = 8, seed: int = 0, lora: bool = True) -> dict:
+    """{method: {lr: step-`step` evaluation of seed `seed`}} from every run evaluated at that step (8-step sweep runs
+    and the step-8 evaluation of longer runs, identical up to that step: constant lr, same seed and data)."""
+    points: dict = {}
+    for r in results:
+        s = r["settings"]
+        if s["seed"] != seed or s["lora"] != lora:
+            continue
+        at = [e for e in r["evals"] if e["step"] == step]
+        if at:
+            points.setdefault(s["method"], {}).setdefault(s["learning_rate"], at[0])
+    return points
+
+
+def pick_lr(by_lr: dict) -> float:
+    """The lr with the best greedy held-out score; ties go to the better sampled score, then the smaller lr."""
+    return max(sorted(by_lr), key=lambda lr: (by_lr[lr]["greedy"], by_lr[lr].get("sampled", -1.0), -lr))
+
+
+def cmd_sweep(args) -> int:
+    points = sweep_points(load_results(args.results), args.step, args.seed, not args.full)
+    if not points:
+        print(f"no run with an evaluation at step {args.step} in {args.results}")
+        return 1
+    print(f"learning-rate sweep: seed {args.seed}, held-out scores at step {args.step} (greedy / sampled T=0.7, "
+          "KL(pi||pi0) in nats); the pick maximizes the greedy score\n")
+    print("| method | lr | greedy | sampled | KL | pick |")
+    print("|---|---|---|---|---|---|")
+    for method, by_lr in sorted(points.items()):
+        best = pick_lr(by_lr)
+        for lr in sorted(by_lr):
+            e = by_lr[lr]
+            print(f"| {method} | {lr:g} | {e['greedy']:.3f} | {e.get('sampled', math.nan):.3f} | "
+                  f"{e.get('kl', math.nan):.2f} | {'**yes**' if lr == best else ''} |")
+    return 0
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -226,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="markdown table (seed means and per-seed values) and a PNG")
     rep.add_argument("--results", default=DEFAULT_RESULTS)
     rep.add_argument("--png", default="docs/real-model/curves.png")
+    sw = sub.add_parser("sweep", help="learning-rate sweep table: step-N scores of one seed by lr, and the pick")
+    sw.add_argument("--results", default=DEFAULT_RESULTS)
+    sw.add_argument("--step", type=int, default=8)
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--full", action="store_true", help="full-weight runs (default LoRA)")
     return p
 
 
@@ -234,7 +278,7 @@ def main(argv=None) -> int:
 
     set_offline_env()
     args = build_parser().parse_args(argv)
-    return cmd_run(args) if args.command == "run" else cmd_report(args)
+    return {"run": cmd_run, "report": cmd_report, "sweep": cmd_sweep}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -146,20 +146,26 @@ def test_clear_errors(tiny_model_dir, jsonl, tmp_path):
         train_script.parse_args([*no_data, "--reward_funcs", "accuracy_reward"], "isopo")
     with pytest.raises(ValueError, match="No reward"):
         train_script.parse_args(base, "grpo")
-    with pytest.raises(ValueError, match=r"score a --task's answers"):
-        train_script.parse_args([*base, "--reward_funcs", "answer"], "tpo")
     # A known knob of another method is not silently passed on.
     with pytest.raises(ValueError, match="Unknown argument"):
         train_script.parse_args([*base, "--reward_funcs", "accuracy_reward", "--tpo_eta", "1"], "isopo")
 
 
-def test_dataset_without_prompt_column_fails_before_the_model_loads(tmp_path):
+def test_dataset_without_prompt_or_answer_column_fails_before_the_model_loads(tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text('{"question": "1+1", "solution": "2"}\n')
-    argv = ["--model_name_or_path", "/nonexistent", "--dataset_name", str(data), "--reward_funcs",
-            "accuracy_reward", "--output_dir", str(tmp_path / "o"), "--bf16", "false", *CPU]  # fmt: skip
-    script_args, training_args, model_args, dataset_args = train_script.parse_args(argv, "grpo")
+    def argv(*rewards):
+        return ["--model_name_or_path", "/nonexistent", "--dataset_name", str(data), "--reward_funcs", *rewards,
+                "--output_dir", str(tmp_path / "o"), "--bf16", "false", *CPU]  # fmt: skip
+
+    script_args, training_args, model_args, dataset_args = train_script.parse_args(argv("accuracy_reward"), "grpo")
     with pytest.raises(ValueError, match=r"no `prompt` column .*rename_column\('question', 'prompt'\)"):
+        train_script.build_generic_data(script_args, training_args, dataset_args)
+    data.write_text('{"prompt": "1+1", "solution": "2"}\n')
+    script_args, training_args, model_args, dataset_args = train_script.parse_args(
+        argv("accuracy_reward", "last_number"), "grpo"
+    )
+    with pytest.raises(ValueError, match=r"\['last_number'\] compare .* `answer` column"):
         train_script.build_generic_data(script_args, training_args, dataset_args)
 
 
@@ -225,6 +231,11 @@ def test_trl_reward_names_resolve_to_trl_functions(tiny_model_dir, jsonl, tmp_pa
     from trl_isopo.gym import format_reward
 
     assert funcs[0] is rewards.think_format_reward and funcs[2] is format_reward
+    script_args.reward_funcs = ["last_number", "answer", "format"]
+    from trl_isopo import gym
+
+    assert train_script.resolve_reward_funcs(script_args, training_args, None) == [
+        gym.gsm8k_last_number_reward, gym.gsm8k_answer_reward, gym.format_reward]
     # The soft overlong punishment uses the run's length: 0 up to 80 % of it, -1 at the limit.
     assert funcs[1](completion_ids=[[0] * 6, [0] * 8]) == [0.0, -1.0]
 

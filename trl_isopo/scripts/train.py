@@ -18,8 +18,9 @@ Data (one of):
 - `datasets:` in the YAML (TRL's `DatasetMixtureConfig`: several sources, `data_files`, `fraction`, `test_split_size`).
 
 Rewards: `--reward_funcs` takes TRL's built-in names (`accuracy_reward`, `reasoning_accuracy_reward`,
-`think_format_reward`, `get_soft_overlong_punishment`), this package's task rewards (with `--task`), or dotted
-import paths; `--reward_model_name_or_path` adds a reward model (as in TRL).
+`think_format_reward`, `get_soft_overlong_punishment`), this package's `answer` / `last_number` / `format` (with
+`--task`: the task's own scorer; with other data: numeric match against an `answer` column), or dotted import
+paths; `--reward_model_name_or_path` adds a reward model (as in TRL).
 
 Launch: arguments the training parser does not know are `accelerate launch` arguments (`--num_processes 2`,
 `--accelerate_config ddp|zero2|zero3|fsdp2|<file>`, ...); with any, the command re-runs itself under
@@ -84,9 +85,9 @@ class TrainScriptArguments(ScriptArguments):
         prompt_format: `conversational` (TRL applies the model's chat template, with `chat_template_kwargs`) or
             `text` (rendered with the tokenizer's chat template when the dataset is built).
         reward_funcs: TRL's built-in rewards (`accuracy_reward`, `reasoning_accuracy_reward`,
-            `think_format_reward`, `get_soft_overlong_punishment`), with `task`: `answer` (the task's own score /
-            GSM8K exact match on the `<answer>` block, the default there), `last_number` (the same score on the
-            completion's last number), `format` (`<answer>` format); or dotted import paths. Weights:
+            `think_format_reward`, `get_soft_overlong_punishment`); `answer` (the task's own score / numeric match
+            with an `answer` column, on the `<answer>` block; the default with `task`), `last_number` (the same on
+            the completion's last number), `format` (`<answer>` format); or dotted import paths. Weights:
             `reward_weights` of the training config.
         reward_model_name_or_path: a reward model (Hub id or local folder), added before `reward_funcs` (as TRL).
         tokenizer_name_or_path: tokenizer to load (default: `model_name_or_path`); see the module doc for the rule.
@@ -127,7 +128,7 @@ class TrainScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment; "
-            "with --task: answer (default there), last_number, format; or dotted import paths."
+            "answer, last_number (task score, or match with an `answer` column), format; or dotted import paths."
         },
     )
     reward_model_name_or_path: str | None = field(
@@ -260,12 +261,6 @@ def check_script_args(script_args, training_args, dataset_args=None) -> None:
     if script_args.task is not None and script_args.task != "gsm8k" and mixture:
         raise ValueError("--task builds its own prompts: remove the `datasets:` list or the task.")
     if script_args.task is None:
-        task_only = sorted(set(script_args.reward_funcs or []) & set(TASK_REWARDS))
-        if task_only:
-            raise ValueError(
-                f"reward(s) {task_only} score a --task's answers; with --dataset_name / datasets use TRL's "
-                f"{sorted(TRL_REWARDS)} or a dotted import path."
-            )
         if not script_args.reward_funcs and not script_args.reward_model_name_or_path:
             raise ValueError(
                 "No reward: set --reward_funcs (e.g. accuracy_reward, which reads a `solution` column) or "
@@ -353,9 +348,18 @@ def _resolve(path: str):
         sys.path.pop(0)
 
 
-# Reward names: TRL's built-ins (as `trl grpo` registers them) and this package's task rewards (need --task).
+# Reward names: TRL's built-ins (as `trl grpo` registers them) and this package's. With --task, `answer` and
+# `last_number` use the task's own scorer; with other data they compare numbers with an `answer` column.
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
-TASK_REWARDS = ("answer", "last_number", "format")
+ANSWER_COLUMN_REWARDS = ("answer", "last_number")
+
+
+def generic_rewards() -> dict:
+    """This package's rewards for prompt datasets with an `answer` column (a number, as in GSM8K)."""
+    from trl_isopo import gym
+
+    return {"answer": gym.gsm8k_answer_reward, "last_number": gym.gsm8k_last_number_reward,
+            "format": gym.format_reward}
 
 
 def trl_reward(name: str, training_args):
@@ -379,15 +383,16 @@ def resolve_reward_funcs(script_args, training_args, task_rewards: dict | None) 
     funcs: list = []
     if script_args.reward_model_name_or_path:
         funcs.append(script_args.reward_model_name_or_path)
+    ours = task_rewards if task_rewards is not None else generic_rewards()
     for name in script_args.reward_funcs or (["answer"] if task_rewards else []):
         if name in TRL_REWARDS:
             funcs.append(trl_reward(name, training_args))
-        elif task_rewards is not None and name in task_rewards:
-            funcs.append(task_rewards[name])
+        elif name in ours:
+            funcs.append(ours[name])
         elif "." in name:
             funcs.append(_resolve(name))
         else:
-            known = sorted(TRL_REWARDS) + (sorted(task_rewards) if task_rewards else [])
+            known = sorted(TRL_REWARDS) + sorted(ours)
             raise ValueError(f"Unknown reward function {name!r}: use one of {known} or a dotted import path.")
     return funcs
 
@@ -432,6 +437,12 @@ def build_generic_data(script_args, training_args, dataset_args):
     check_prompt_column(train, "The training data")
     if eval_dataset is not None:
         check_prompt_column(eval_dataset, "The evaluation data")
+    needs_answer = sorted(set(script_args.reward_funcs or []) & set(ANSWER_COLUMN_REWARDS))
+    if needs_answer and train.column_names is not None and "answer" not in train.column_names:
+        raise ValueError(
+            f"reward(s) {needs_answer} compare the completion's number with an `answer` column, which the training "
+            f"data lacks (columns: {train.column_names}). Add it, or use TRL's accuracy_reward (`solution` column)."
+        )
     return train, eval_dataset, hub, description
 
 

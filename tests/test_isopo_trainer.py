@@ -265,8 +265,11 @@ def test_reward_funcs_is_optional_like_grpo_trainer():
     theirs = inspect.signature(GRPOTrainer.__init__).parameters
     for cls in (ISOPOTrainer, TPOTrainer):
         ours = inspect.signature(cls.__init__).parameters
-        assert list(ours)[:4] == list(theirs)[:4]  # self, model, reward_funcs, args: same positions
-        assert ours["reward_funcs"].default is theirs["reward_funcs"].default is None
+        # Same names, order, kinds and defaults: code written for GRPOTrainer (positional or keyword) works as is.
+        assert [(n, p.kind, p.default) for n, p in ours.items()] == [
+            (n, p.kind, p.default) for n, p in theirs.items()
+        ]
+        assert ours["reward_funcs"].default is None
 
 
 @pytest.mark.multiprocess

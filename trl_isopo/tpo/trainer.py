@@ -167,7 +167,30 @@ class TPOTrainer(GRPOTrainer):
             }"""),
     }
 
-    def __init__(self, model, reward_funcs=None, args: TPOConfig | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: TPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
+        kwargs = dict(
+            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
+            quantization_config=quantization_config, peft_config=peft_config, tools=tools, rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )  # fmt: skip
         _check_trl_hooks()
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)

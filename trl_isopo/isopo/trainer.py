@@ -39,6 +39,27 @@ SPREAD_WARN_STEPS = 5
 SPREAD_WARN_EVERY = 100
 
 
+def unsupported_sharding(fsdp: bool, fsdp2: bool, zero_stage: int, beta: float) -> str | None:
+    """Why ISOPO cannot run under this sharding (the error message), or None.
+
+    ISOPO's per-layer backward needs the whole weight inside the module's forward and backward: FSDP2 and ZeRO-1/2
+    give that (FSDP2 all-gathers around each sharded module; ZeRO-1/2 keep full weights), FSDP1's flat parameters and
+    ZeRO-3's gathering outside the module are not supported. beta > 0 adds the KL gradient through parameter hooks,
+    not adapted to FSDP2's sharded parameters yet."""
+    if (fsdp and not fsdp2) or zero_stage == 3:
+        return (
+            "ISOPO supports one process, DDP, DeepSpeed ZeRO-1/2 and FSDP2. FSDP1 (flat parameters) and ZeRO-3 "
+            "gather weights outside the module's forward, where ISOPO's per-layer backward runs, and are not "
+            "supported: use FSDP2 (fsdp_version: 2, recipes/accelerate/fsdp2.yaml), DDP or ZeRO-1/2."
+        )
+    if fsdp2 and beta != 0.0:
+        return (
+            "ISOPO with beta > 0 adds the KL gradient through parameter hooks, not supported under FSDP2 yet: set "
+            "beta=0 or use DDP / ZeRO-1/2."
+        )
+    return None
+
+
 class ISOPOTrainer(GRPOTrainer):
     """Trainer for Isometric Policy Optimization (ISOPO, arXiv 2512.23353).
 
@@ -104,10 +125,15 @@ class ISOPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError("ISOPO does not support MoE router aux losses: set router_aux_loss_coef=0.")
-        if self.is_fsdp_enabled or (self.is_deepspeed_enabled and self._zero_stage() == 3):
-            raise NotImplementedError(
-                "ISOPO is tested with one process and DDP only; FSDP and DeepSpeed ZeRO-3 shard or gather weights "
-                "around the layer backward and are not supported yet. Use DDP or ZeRO-1/2 (recipes/accelerate/)."
+        fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
+        zero_stage = self._zero_stage() if self.is_deepspeed_enabled else 0
+        problem = unsupported_sharding(self.is_fsdp_enabled, fsdp2, zero_stage, args.beta)
+        if problem:
+            raise NotImplementedError(problem)
+        if fsdp2:
+            logger.warning(
+                "ISOPO under FSDP2: the per-layer backward is tested with torch's fully_shard on 2 CPU processes "
+                "(same parameters as one process), not yet through accelerate on GPUs."
             )
         self.isopo_context = ISOPOContext(
             ISOPOSettings(

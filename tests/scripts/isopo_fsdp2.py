@@ -1,0 +1,152 @@
+"""ISOPO's per-layer backward under FSDP2 (`torch.distributed.fsdp.fully_shard`), 2 gloo ranks on CPU.
+
+Every rank trains a tiny Qwen2 whose decoder layers and root are fully sharded (DTensor parameter shards); the ISOPO
+Function runs inside FSDP2's forward/backward, where the module holds the all-gathered weight. Each rank takes one
+half of every step's batch as its micro-batch (its own Fisher-sample seed). Rank 0 also trains, without any process
+group, the same model on the same two halves as two micro-batches of one step, gradients averaged (FSDP2 averages
+over ranks), the EMA folded over both. Written to `<out>.rank<r>.json`: the largest relative parameter difference
+to that reference (rank 0), the EMA state, the covered-layer records per micro-batch, and whether parameters moved.
+
+    accelerate launch --multi_gpu --num_processes 2 ... tests/scripts/isopo_fsdp2.py <out>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch, install_isopo_linears
+from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
+
+STEPS, B, L, PROMPT = 3, 4, 10, 4  # B sequences per rank; 2B per step
+
+
+def step_batch(step: int, tokenizer):
+    """(ids (2B, L), mask (2B, L) bool, completion mask (2B, L) bool, advantages (2B,)) of one step."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(5, len(tokenizer), (2 * B, L), generator=g)
+    mask = torch.ones(2 * B, L, dtype=torch.bool)
+    for b in range(2 * B):  # left padding in prompts, right padding in completions, one empty completion
+        mask[b, : b % 3] = False
+        mask[b, L - (b % 4) :] = False
+    mask[2 * B - 1, PROMPT:] = False
+    completion = mask.clone()
+    completion[:, :PROMPT] = False
+    ids = ids.masked_fill(~mask, tokenizer.pad_token_id)
+    advantages = torch.randn(2 * B, generator=g)
+    return ids, mask, completion, advantages
+
+
+def surrogate_loss(model, ids, mask, completion):
+    """-sum_t log pi(y_t) over completion tokens / their count: the advantage-free seed of ISOPO's backward."""
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    m = completion[:, 1:]
+    return -(logp * m).sum() / m.sum().clamp_min(1)
+
+
+def settings() -> ISOPOSettings:
+    # c = 1 so that the EMA (synchronized across ranks) changes the coefficients; a Fisher sample smaller than the
+    # valid tokens so that the sample seeds matter.
+    return ISOPOSettings(p=-1.0, reg=1.0, fisher_tokens=6)
+
+
+def micro_step(model, context, ids, mask, completion, advantages, seed):
+    context.micro_batch = MicroBatch(mask=mask, advantages=advantages, seed=seed)
+    context.active = True
+    try:
+        surrogate_loss(model, ids, mask, completion).backward()
+    finally:
+        context.active = False
+        context.clear()
+
+
+def build(tokenizer):
+    model = build_tiny_causal_lm(tokenizer, hidden_size=32, intermediate_size=64, seed=3)
+    context = ISOPOContext(settings())
+    names = install_isopo_linears(model, context)
+    return model, context, names
+
+
+def reference_run(tokenizer, swap_seeds: bool = False):
+    """One process: each step's two halves as two micro-batches, gradients averaged, EMA over both. `swap_seeds`
+    (a negative control) gives each half the other half's Fisher-sample seed."""
+    model, context, _ = build(tokenizer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        ids, mask, completion, advantages = step_batch(step, tokenizer)
+        opt.zero_grad(set_to_none=True)
+        for r in range(2):
+            rows = slice(r * B, (r + 1) * B)
+            seed = 10 * step + (1 - r if swap_seeds else r)
+            micro_step(model, context, ids[rows], mask[rows], completion[rows], advantages[rows], seed=seed)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= 2
+        context.ema.end_step()
+        context.records.clear()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, dict(context.ema.ema)
+
+
+def main(out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, world
+    torch.manual_seed(0)
+    tokenizer = build_word_tokenizer()
+    model, context, names = build(tokenizer)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sharded = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    records_per_micro_batch = []
+    for step in range(STEPS):
+        ids, mask, completion, advantages = step_batch(step, tokenizer)
+        rows = slice(rank * B, (rank + 1) * B)
+        opt.zero_grad(set_to_none=True)
+        micro_step(model, context, ids[rows], mask[rows], completion[rows], advantages[rows], seed=10 * step + rank)
+        records_per_micro_batch.append(len(context.records))
+
+        def all_reduce(t):
+            dist.all_reduce(t)
+            return t
+
+        context.ema.end_step(all_reduce, world)
+        context.records.clear()
+        opt.step()
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    result = {
+        "rank": rank,
+        "world_size": world,
+        "sharded": sharded,
+        "covered": names,
+        "records_per_micro_batch": records_per_micro_batch,
+        "ema": context.ema.ema,
+        "changed": any(not torch.equal(full[n], start[n]) for n in full),
+    }
+    if rank == 0:
+        want, want_ema = reference_run(tokenizer)
+
+        def max_rel_diff(ref):
+            return max(float((full[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)
+
+        result["max_rel_diff"] = max_rel_diff(want)
+        result["control_rel_diff"] = max_rel_diff(reference_run(tokenizer, swap_seeds=True)[0])
+        result["ema_matches_reference"] = set(want_ema) == set(context.ema.ema) and all(
+            abs(want_ema[k] - context.ema.ema[k]) <= 1e-6 * abs(want_ema[k]) for k in want_ema
+        )
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -41,6 +41,10 @@ SHAPES = {
     "small": (64, 256, 2, 4, 2, 0),
     "lora896": (896, 4864, 2, 14, 2, 16),
     "full896": (896, 4864, 2, 14, 2, 0),
+    # Qwen3-0.6B's dimensions (28 layers, hidden 1024, MLP 3072, 16/8 heads) in a Qwen2 module: for the GPU check
+    # (benchmarks/gpu_check.py) with --vocab 151936; random weights.
+    "qwen3-0.6b-lora": (1024, 3072, 28, 16, 8, 16),
+    "qwen3-0.6b-full": (1024, 3072, 28, 16, 8, 0),
 }
 VARIANTS = {
     "p=-1": dict(p=-1.0, q=0.0, r=0.0),
@@ -49,7 +53,7 @@ VARIANTS = {
 }
 
 
-def build(shape: str, vocab: int, seed: int = 0):
+def build(shape: str, vocab: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -64,13 +68,41 @@ def build(shape: str, vocab: int, seed: int = 0):
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
+    model = Qwen2ForCausalLM(cfg).to(dtype)
     if lora_r:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         lc = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=targets,
                         task_type="CAUSAL_LM", init_lora_weights=False)
         model = get_peft_model(model, lc)
     return model, tokenizer, cfg, lora_r
+
+
+def make_tpo_trainer(model, tokenizer, outdir):
+    """A TPOTrainer on its own copy of the model, set up like `make_trainers`' (TPO: eta 1, whole group of 8)."""
+    from datasets import Dataset
+
+    from trl_isopo import TPOConfig, TPOTrainer
+
+    args = TPOConfig(output_dir=outdir + "/t", report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
+                     save_strategy="no", disable_tqdm=True, per_device_train_batch_size=8, num_generations=8,
+                     max_completion_length=8, gradient_checkpointing=False)
+    trainer = TPOTrainer(copy.deepcopy(model), lambda completions, **kw: [0.0] * len(completions), args=args,
+                         train_dataset=Dataset.from_dict({"prompt": ["w0 w1"] * 8}), processing_class=tokenizer)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def tpo_step_fn(trainer, batch):
+    """TPO's loss forward + backward on `batch` (one group; p_old from the forward itself, as with num_iterations=1)."""
+    scores = torch.linspace(-1.0, 1.0, batch["prompt_ids"].shape[0], device=batch["prompt_ids"].device)
+
+    def run():
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.compute_loss(trainer.model, dict(batch, tpo_scores=scores)).backward()
+        sync()
+
+    return run
 
 
 def make_trainers(model, tokenizer, outdir, other_params="surrogate"):
@@ -177,7 +209,8 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
     extra = gemm = 0.0
     k = settings.fisher_tokens
     S = (min(k, valid) if k > 0 else valid) if settings.needs_fisher else 0
-    S_gathered = gathered_rows(S)
+    # As drawn: a fixed size min(k, B*T) (k <= 0: every position), padding picks included (`fisher_token_sample`).
+    S_gathered = gathered_rows((k if 0 < k < N else N) if settings.needs_fisher else 0)
     covered = set(trainer.isopo_coverage["covered"])
     for name, m in trainer.model.named_modules():
         if name in covered:
@@ -359,7 +392,14 @@ def main(argv=None):
                     "freed memory is reused as CUDA's caching allocator would; system: the stock glibc allocator")
     ap.add_argument("--profile-layer", metavar="D_IN,D_OUT",
                     help="instead of the tables: profile one covered-layer shape (ops per call, per-op times)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model weights (and so the layers' inputs and output gradients): bfloat16 runs ISOPO's "
+                    "GEMMs in bf16 with fp32 accumulation")
+    ap.add_argument("--tpo", action="store_true", help="also time TPO's loss forward + backward (ratio to GRPO)")
+    ap.add_argument("--json", metavar="PATH", help="also write every row (and the raw times) as JSON here")
     args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    rows = []
     if args.malloc == "cached" and not torch.cuda.is_available() and os.environ.get("MALLOC_MMAP_MAX_") != "0":
         env = dict(os.environ, MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(2**46))
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
@@ -377,7 +417,7 @@ def main(argv=None):
         profile_layer(mask, d_in, d_out, {v: ISOPOSettings(**VARIANTS[v]) for v in args.variants.split(",")})
         return 0
     print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
-          f"B={args.batch} T={args.seq} vocab={args.vocab}, isopo_other_params={args.other_params}, "
+          f"B={args.batch} T={args.seq} vocab={args.vocab}, dtype {args.dtype}, isopo_other_params={args.other_params}, "
           f"{args.repeats} interleaved repeats, malloc {args.malloc if device == 'cpu' else 'cuda caching'}")
     print("| shape | variant | GRPO ms (min) | ISOPO ms (min) | ratio of minima | median ratio [quartiles] "
           "| analytic floor | overhead / floor | peak MiB GRPO / ISOPO | peak mem ratio "
@@ -385,12 +425,15 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     breakdown = []
     for shape in args.shapes.split(","):
-        model, tokenizer, cfg, _ = build(shape, args.vocab)
+        model, tokenizer, cfg, _ = build(shape, args.vocab, dtype=dtype)
         with tempfile.TemporaryDirectory() as tmp:
             plain, isopo = make_trainers(model, tokenizer, tmp, args.other_params)
             batch = make_batch(args.batch, args.seq, cfg.vocab_size, device)
             base = isopo.isopo_context.settings
             runs = {"grpo": step_fn(plain, batch, False)}
+            tpo = make_tpo_trainer(model, tokenizer, tmp) if args.tpo else None
+            if tpo is not None:
+                runs["tpo"] = tpo_step_fn(tpo, batch)
             variant_settings, end_step_ms = {}, {}
             for v in args.variants.split(","):
                 variant_settings[v] = ISOPOSettings(**{**base.__dict__, **VARIANTS[v]})
@@ -418,13 +461,34 @@ def main(argv=None):
                       f"{(ratio - 1) / floor if floor > 0 else float('nan'):.2f} | {mem_abs} | {mem_ratio} | "
                       f"{(counted[v] - counted['grpo']) / 1e6:.2f} / {gemm / 1e6:.2f} = "
                       f"{(counted[v] - counted['grpo']) / gemm if gemm > 0 else float('nan'):.4f} |", flush=True)
+                rows.append({"shape": shape, "variant": v, "dtype": args.dtype, "ratio_of_minima": ratio,
+                             "median_ratio": statistics.median(ratios), "floor": 1 + floor,
+                             "peak_mem_ratio": mem[v] / mem["grpo"] if mem else None,
+                             "grpo_s": times["grpo"], "isopo_s": times[v]})
+            if tpo is not None:
+                ratios = sorted(a / b for a, b in zip(times["tpo"], times["grpo"]))
+                ratio = min(times["tpo"]) / min(times["grpo"])
+                print(f"| {shape} | TPO | {1e3 * min(times['grpo']):.1f} | {1e3 * min(times['tpo']):.1f} (TPO) | "
+                      f"{ratio:.3f} | {statistics.median(ratios):.3f} | - | - | - | "
+                      f"{mem['tpo'] / mem['grpo']:.3f} | - |" if mem else
+                      f"| {shape} | TPO | {1e3 * min(times['grpo']):.1f} | {1e3 * min(times['tpo']):.1f} (TPO) | "
+                      f"{ratio:.3f} | {statistics.median(ratios):.3f} | - | - | - | - | - |", flush=True)
+                rows.append({"shape": shape, "variant": "tpo", "dtype": args.dtype, "ratio_of_minima": ratio,
+                             "median_ratio": statistics.median(ratios), "grpo_s": times["grpo"],
+                             "tpo_s": times["tpo"]})
             if args.layer_repeats > 0:
                 mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
                 breakdown += [f"| {shape} {r[2:]}" for r in
                               layer_breakdown(isopo, mask, variant_settings, args.layer_repeats,
                                               1e3 * min(times["grpo"]),
                                               {v: min(ts) for v, ts in end_step_ms.items() if ts})]
-        del model, plain, isopo
+        del model, plain, isopo, tpo
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": device, "dtype": args.dtype, "batch": args.batch,
+                       "seq": args.seq, "vocab": args.vocab, "rows": rows}, f, indent=1)
     if breakdown:
         print("\n# per covered-layer shape: autograd weight(+bias) gradient vs ISOPO layer_grads, min of "
               f"{args.layer_repeats} alternated runs; floor = route extra MACs at that layer's own GEMM rate; "

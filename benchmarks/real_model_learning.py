@@ -7,10 +7,11 @@ after, the training reward per step and the seconds per step. Results are append
 line, so an interrupted sweep resumes where it stopped (a run already in the file is skipped), and several processes can
 share one list (each run is claimed by one process).
 
-    # learning-rate sweep: seed 0, 8 steps (the lr is constant, so an 8-step run is the first half of a 16-step
-    # run with the same seed; 16-step runs' step-8 evaluations count for their lr), then the comparison
-    python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,1e-3 --seeds 0 --steps 8
-    python benchmarks/real_model_learning.py sweep            # per method: step-8 scores by lr, the pick
+    # learning-rate sweep: seed 0, 8-step runs (the training split has steps x prompts items and the held-out set
+    # excludes them, so runs of different lengths differ in data order and held-out questions: the sweep compares
+    # 8-step runs only), then the comparison at the picked rates
+    python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,3e-4,1e-3 --seeds 0 --steps 8
+    python benchmarks/real_model_learning.py sweep            # per method: final scores of the 8-step runs by lr, the pick
     python benchmarks/real_model_learning.py run --methods grpo=3e-4,reinforce=3e-4,isopo=3e-4,tpo=3e-4 --seeds 0-2
     python benchmarks/real_model_learning.py report
 """
@@ -177,12 +178,13 @@ def cmd_report(args) -> int:
 
 
 def sweep_points(results: list[dict], step: int = 8, seed: int = 0, lora: bool = True) -> dict:
-    """{method: {lr: step-`step` evaluation of seed `seed`}} from every run evaluated at that step (8-step sweep runs
-    and the step-8 evaluation of longer runs, identical up to that step: constant lr, same seed and data)."""
+    """{method: {lr: final evaluation}} of the `step`-step runs of seed `seed`. Only runs of that length: a run's
+    training split (steps x prompts items, shuffled by the sampler) and its held-out set (which excludes them) depend
+    on its length, so a longer run's evaluation at the same step is not the same measurement."""
     points: dict = {}
     for r in results:
         s = r["settings"]
-        if s["seed"] != seed or s["lora"] != lora:
+        if s["seed"] != seed or s["lora"] != lora or s["steps"] != step:
             continue
         at = [e for e in r["evals"] if e["step"] == step]
         if at:
@@ -200,8 +202,8 @@ def cmd_sweep(args) -> int:
     if not points:
         print(f"no run with an evaluation at step {args.step} in {args.results}")
         return 1
-    print(f"learning-rate sweep: seed {args.seed}, held-out scores at step {args.step} (greedy / sampled T=0.7, "
-          "KL(pi||pi0) in nats); the pick maximizes the greedy score\n")
+    print(f"learning-rate sweep: seed {args.seed}, {args.step}-step runs, final held-out scores (greedy / sampled "
+          "T=0.7, KL(pi||pi0) in nats); the pick maximizes the greedy score\n")
     print("| method | lr | greedy | sampled | KL | pick |")
     print("|---|---|---|---|---|---|")
     for method, by_lr in sorted(points.items()):
@@ -265,9 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="markdown table (seed means and per-seed values) and a PNG")
     rep.add_argument("--results", default=DEFAULT_RESULTS)
     rep.add_argument("--png", default="docs/real-model/curves.png")
-    sw = sub.add_parser("sweep", help="learning-rate sweep table: step-N scores of one seed by lr, and the pick")
+    sw = sub.add_parser("sweep", help="learning-rate sweep table: N-step runs of one seed by lr, and the pick")
     sw.add_argument("--results", default=DEFAULT_RESULTS)
-    sw.add_argument("--step", type=int, default=8)
+    sw.add_argument("--step", type=int, default=8, help="the sweep runs' length (steps)")
     sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--full", action="store_true", help="full-weight runs (default LoRA)")
     return p

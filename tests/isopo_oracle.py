@@ -7,11 +7,16 @@ one row, statistics from explicit V_i, the solve from `torch.linalg.solve`.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
 
 from trl_isopo import ISOPOConfig, ISOPOTrainer
+
+# The oracle tests run on the CPU; benchmarks/gpu_check.py sets TRL_ISOPO_TEST_DEVICE=cuda to run them on a GPU
+# (the trainer then holds the model there, and the batches are moved to it).
+DEVICE = os.environ.get("TRL_ISOPO_TEST_DEVICE", "cpu")
 
 
 def make_trainer(model, tokenizer, tmp_path, peft_config=None, **overrides):
@@ -23,6 +28,7 @@ def make_trainer(model, tokenizer, tmp_path, peft_config=None, **overrides):
         num_generations=4,
         max_completion_length=4,
         gradient_checkpointing=False,
+        use_cpu=DEVICE == "cpu",
     )
     kwargs.update(overrides)
     trainer = ISOPOTrainer(
@@ -54,7 +60,7 @@ def make_batch(tokenizer, seed=0, B=4, P=5, C=4, prompt_lens=(3, 5, 2, 4), compl
         completion_ids[b, :lc] = torch.tensor(words)[torch.randint(len(words), (lc,), generator=g)]
         completion_mask[b, :lc] = 1
     advantages = torch.tensor([1.0, -0.5, 0.0, 2.0, -1.5, 0.7, 0.3, -0.2][:B], dtype=torch.float32)
-    return {
+    batch = {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
@@ -62,6 +68,7 @@ def make_batch(tokenizer, seed=0, B=4, P=5, C=4, prompt_lens=(3, 5, 2, 4), compl
         "advantages": advantages,
         "num_items_in_batch": completion_mask.sum(),
     }
+    return {k: v.to(DEVICE) for k, v in batch.items()}
 
 
 def row(inputs, b):

@@ -176,6 +176,10 @@ def test_statistics_identical_with_and_without_checkpointing(tiny_tokenizer, tmp
 
 
 def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp_path):
+    """The sample has the fixed size min(k, B*L) (no host read of the valid count); its valid picks are min(k, N)
+    distinct valid positions, fresh per layer, reproducible per seed and independent of the global RNG. (Updated
+    with the on-device sampler: when k >= N the sample is padded with padding positions, which add exactly 0; for
+    k <= 0 or k >= B*L it is every position.)"""
     from trl_isopo.isopo.linear import MicroBatch
 
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=1)
@@ -185,16 +189,48 @@ def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[0, 2:] = mask[1, :] = mask[2, 4] = True
     mb = MicroBatch(mask=mask, advantages=torch.ones(3), seed=11)
-    valid = set(mask.reshape(-1).nonzero().squeeze(1).tolist())
+    flat = mask.reshape(-1)
+    valid = set(flat.nonzero().squeeze(1).tolist())
     names = trainer.isopo_coverage["covered"]
     samples = {n: ctx.fisher_sample(n, mb) for n in names}
     for J in samples.values():
         assert len(J) == 6 and len(set(J.tolist())) == 6 and set(J.tolist()) <= valid
     assert len({tuple(J.tolist()) for J in samples.values()}) > 1  # fresh per layer
-    assert torch.equal(samples[names[0]], ctx.fisher_sample(names[0], MicroBatch(mask=mask, advantages=torch.ones(3), seed=11)))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)  # the global RNG plays no part
+        again = ctx.fisher_sample(names[0], MicroBatch(mask=mask, advantages=torch.ones(3), seed=11))
+    assert torch.equal(samples[names[0]], again)
     assert not torch.equal(samples[names[0]], ctx.fisher_sample(names[0], MicroBatch(mask=mask, advantages=torch.ones(3), seed=12)))
-    set_settings(trainer, fisher_tokens=100)  # more than the 9 valid positions: all of them
-    assert set(ctx.fisher_sample(names[0], mb).tolist()) == valid
+    set_settings(trainer, fisher_tokens=12)  # more than the 9 valid positions, fewer than B*L = 15
+    J = ctx.fisher_sample(names[0], mb)
+    assert len(J) == 12 and len(set(J.tolist())) == 12 and set(J[flat[J]].tolist()) == valid
+    for k in (100, 0):  # every position
+        set_settings(trainer, fisher_tokens=k)
+        assert torch.equal(ctx.fisher_sample(names[0], mb), torch.arange(15))
+
+
+def test_fisher_sample_is_uniform_over_valid_positions():
+    """The k smallest of i.i.d. keys (padding keyed +inf) is a uniform k-subset of the valid positions: every valid
+    position is included with probability k / N, every pair with k (k - 1) / (N (N - 1))."""
+    from trl_isopo.isopo.linear import fisher_token_sample
+
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[0, 1:] = mask[1, :2] = mask[2, 3] = True  # N = 6 valid of 12
+    k, n_draws = 3, 6000
+    gen = torch.Generator().manual_seed(0)
+    hits = torch.zeros(12, dtype=torch.float64)
+    pairs = torch.zeros(12, 12, dtype=torch.float64)
+    for _ in range(n_draws):
+        J = fisher_token_sample(mask, k, gen)
+        ind = torch.zeros(12, dtype=torch.float64).index_fill_(0, J, 1.0)
+        hits += ind
+        pairs += ind[:, None] * ind[None, :]
+    flat = mask.reshape(-1)
+    assert hits[~flat].sum() == 0
+    p = hits[flat] / n_draws  # binomial: std sqrt(0.25 / 6000) = 0.0065
+    assert (p - k / 6).abs().max() < 0.03, p
+    off = pairs[flat][:, flat][~torch.eye(6, dtype=torch.bool)] / n_draws
+    assert (off - k * (k - 1) / 30).abs().max() < 0.03, off
 
 
 def test_lora_default_init_zero_lora_B(tiny_tokenizer, tmp_path):
@@ -282,14 +318,27 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
     torch.testing.assert_close((x, g), before, rtol=0, atol=0, equal_nan=True)
 
 
-def test_zero_padding_copies_only_when_there_is_padding():
+def test_zero_padding_is_a_contiguous_copy_with_padding_rows_zeroed():
+    """Always a new contiguous tensor (no host read of the mask for a "no padding" shortcut, updated with the
+    sync-free fill), valid rows bit-identical (NaN and -0.0 included), padding rows +0.0 whatever they held."""
     from trl_isopo.isopo.linear import MicroBatch
 
     t = torch.randn(2, 4, 5).transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous (2, 4, 5) input
     full = MicroBatch(mask=torch.ones(2, 4, dtype=torch.bool), advantages=torch.ones(2))
-    assert full.zero_padding(t, torch.float32) is t  # no padding: no copy
+    out = full.zero_padding(t, torch.float32)
+    assert out is not t and out.is_contiguous() and torch.equal(out, t)
     mask = torch.ones(2, 4, dtype=torch.bool)
-    mask[1, 3] = False
-    out = MicroBatch(mask=mask, advantages=torch.ones(2)).zero_padding(t, torch.float64)
-    assert out.is_contiguous() and out.dtype == torch.float64
-    assert torch.equal(out, t.double().masked_fill(~mask.unsqueeze(-1), 0.0))
+    mask[1, 3] = mask[0, 0] = False
+    t[1, 3] = float("nan")
+    t[0, 0, 0] = -float("inf")
+    t[0, 1, 0], t[0, 1, 1] = -0.0, float("nan")  # a valid row keeps its exact bits
+    mb = MicroBatch(mask=mask, advantages=torch.ones(2))
+
+    def bits(x):
+        return x.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
+
+    for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for src in (t, t.to(dt)):  # with and without a cast
+            out = mb.zero_padding(src, dt)
+            assert out.is_contiguous() and out.dtype == dt
+            assert torch.equal(bits(out), bits(src.to(dt).masked_fill(~mask.unsqueeze(-1), 0.0))), dt

@@ -139,12 +139,15 @@ def _head_row_scale(n_rows: int, mb) -> torch.Tensor:
     A = mb.advantages
     if n_rows == B * (L - 1):
         return A.repeat_interleave(L - 1)
-    # Compact layout (Triton devices): rows are positions whose shifted label is valid (see add_fused_lm_head).
+    # Compact layout (Triton devices): rows are positions whose shifted label is valid (see add_fused_lm_head), in
+    # row-major order, so row r belongs to the first sequence whose running count of such positions exceeds r.
+    # Without a host read (no boolean indexing, no count check on the host): the count is checked on the device.
     valid = mb.mask[:, 1:].clone()
     valid[:, : L - 1 - mb.logits_to_keep] = False
-    if int(valid.sum()) != n_rows:
-        raise RuntimeError(f"cannot map {n_rows} fused-head rows to the micro-batch's {B} sequences")
-    return A.unsqueeze(1).expand(B, L - 1)[valid]
+    ends = valid.sum(1).cumsum(0)  # (B,)
+    torch._assert_async(ends[-1] == n_rows, f"cannot map {n_rows} fused-head rows to the micro-batch's {B} sequences")
+    seq = torch.searchsorted(ends, torch.arange(n_rows, device=ends.device), right=True)
+    return A.index_select(0, seq.clamp_max(B - 1))
 
 
 class _AdvantageWeightedHead:

@@ -28,9 +28,13 @@ def nonzero_median(x2: torch.Tensor) -> torch.Tensor:
     """Median of the positive entries of x2 (B,) -> scalar tensor (the lower median for an even count; NaN if none).
 
     Sequences without a gradient in the layer (x = 0, e.g. fully masked completions) are left out, so they cannot
-    drag the reference point to 0. On-device, no host synchronization.
+    drag the reference point to 0. On-device, no host synchronization: a sort and a gather at the on-device count,
+    not `torch.nanmedian`, whose CUDA kernel reads the NaN count on the host in some torch versions.
     """
-    return torch.nanmedian(torch.where(x2 > 0, x2, torch.nan))
+    keep = x2 > 0
+    ordered = torch.sort(torch.where(keep, x2, torch.inf)).values  # the positive entries first, ascending
+    k = ((keep.sum() - 1).clamp_min(0) // 2).reshape(1)
+    return torch.where(keep.any(), ordered.gather(0, k), torch.nan).reshape(())
 
 
 def regularized_magnitude(x: torch.Tensor, mu: torch.Tensor | float, c: float) -> torch.Tensor:

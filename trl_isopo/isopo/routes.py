@@ -18,6 +18,10 @@ Two routes compute them:
 
 Both are chunked so that no intermediate exceeds `budget_bytes`; they agree to float rounding (tests compare them
 with each other and with brute-force per-sequence autograd).
+
+Dtypes: X and G are float64, float32, or both bf16 / fp16 (`gemm_operand_dtype`). Every product of half operands
+is accumulated and returned in float32 (`matmul_f32`), and every statistic, V and the returned gradients are in
+`stat_dtype` (float64 for float64 operands, else float32).
 """
 
 from __future__ import annotations
@@ -42,6 +46,66 @@ TRI_ROWS = 64
 # (2048 x 4864) @ (4864 x S) takes 123 ms at S = 250 and 88 ms at S = 256), so the sample is zero-padded to one.
 SAMPLE_MULTIPLE = 8
 ROW_GRAM_BLOCK = 8192  # columns per block of the V V^T sum (`_row_gram`)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Test hook: keep bf16 / fp16 operands even where the device has no half GEMM with float32 outputs (CPU); every
+# product then upcasts its operands (`matmul_f32`). Off, such operands are upcast once per layer instead.
+KEEP_HALF_OPERANDS = False
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the statistics, coefficients and GEMM accumulations for operands of `dtype`: float64 for float64,
+    float32 for everything else (float32, bf16, fp16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def half_gemm_kernel(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch.mm` / `torch.bmm` accept `out_dtype=torch.float32` for `dtype` operands on this device type:
+    bf16 / fp16 products accumulated and returned in float32 by the GEMM itself (CUDA and XPU kernels since torch
+    2.8; torch 2.13 has none on CPU). Probed once per (device type, dtype)."""
+    try:
+        a = torch.ones(1, 1, dtype=dtype, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32)
+        torch.bmm(a[None], a[None], out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # NotImplementedError is a RuntimeError
+        return False
+    return True
+
+
+def gemm_operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Dtype in which a layer's X and G enter the GEMMs: bf16 / fp16 as they are where the device multiplies them
+    into float32 (`half_gemm_kernel`; ~15x the float32 GEMM rate on recent GPUs), else `stat_dtype(dtype)`. The
+    upcast is exact (every bf16 / fp16 value is a float32 value), so both give float32-accumulated products of the
+    same operands."""
+    if dtype in HALF_DTYPES and (KEEP_HALF_OPERANDS or half_gemm_kernel(device.type, dtype)):
+        return dtype
+    return stat_dtype(dtype)
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b for (m, k) @ (k, n), (B, m, k) @ (B, k, n) or (B, m, k) @ (k, n), optionally into `out`.
+
+    bf16 / fp16 operands (both of one dtype) give a float32 result accumulated in float32: the device's
+    `out_dtype=torch.float32` GEMM, else (CPU) the float32 GEMM of the exactly upcast operands. Not a half GEMM
+    followed by `.float()`: that rounds every product sum to ~3 significant digits. Other dtypes: plain `a @ b`.
+    """
+    if a.dtype not in HALF_DTYPES:
+        if a.dim() == 3 and b.dim() == 3:
+            return torch.bmm(a, b, out=out)
+        return a @ b if out is None else torch.mm(a, b, out=out)
+    if a.dim() == 3 and b.dim() == 2:  # fold the batch into the rows, as `matmul` does
+        flat = None if out is None else out.view(-1, b.shape[-1])
+        return matmul_f32(a.reshape(-1, a.shape[-1]), b, flat).view(*a.shape[:2], b.shape[-1])
+    op = torch.bmm if a.dim() == 3 else torch.mm
+    kw = {} if out is None else {"out": out}
+    if half_gemm_kernel(a.device.type, a.dtype):
+        return op(a, b, out_dtype=torch.float32, **kw)
+    return op(a.float(), b.float(), **kw)
+
+
+def _row_norms(T: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """Euclidean norms of the rows of T (n, d) -> (n,) computed and returned in `dt`."""
+    return torch.linalg.vector_norm(T, dim=1) if T.dtype == dt else torch.linalg.vector_norm(T, dim=1, dtype=dt)
 
 
 def gathered_rows(n: int) -> int:
@@ -51,9 +115,10 @@ def gathered_rows(n: int) -> int:
 
 @dataclass
 class SequenceStats:
-    """Statistics of one layer and micro-batch. Shapes: e2 (B,) or None, fisher_num (B,) or None, fisher_den scalar
-    or None, ntk (B, B) or None; `V` (B, d_out, d_in) is kept only by the "mat" route when it fits the budget (a
-    transposed view of a (B, d_in, d_out) tensor when the Fisher contraction wanted that layout)."""
+    """Statistics of one layer and micro-batch, all in `stat_dtype` of the operands. Shapes: e2 (B,) or None,
+    fisher_num (B,) or None, fisher_den scalar or None, ntk (B, B) or None; `V` (B, d_out, d_in) is kept only by the
+    "mat" route when it fits the budget (a transposed view of a (B, d_in, d_out) tensor when the Fisher contraction
+    wanted that layout)."""
 
     e2: torch.Tensor | None
     fisher_num: torch.Tensor | None
@@ -173,8 +238,11 @@ def sequence_statistics(
 
     Args:
         X: (B, L, d_in) inputs.
-        G: (B, L, d_out) output gradients; at each invalid position the row of X or of G is zero (see above).
-        sample: (S,) flat indices into B*L of the Fisher token sample J (valid positions); needed if `fisher`.
+        G: (B, L, d_out) output gradients, same dtype as X; at each invalid position the row of X or of G is zero
+            (see above).
+        sample: (S,) flat indices into B*L of the Fisher token sample J; needed if `fisher`. It may hold padding
+            positions (a fixed-size sample, `linear.fisher_token_sample`): their zero row adds exactly 0 to the
+            numerator and the denominator.
         fisher: compute the Fisher numerator sum_j u_i[j]^2 and denominator ||(|g_j||a_j|)_j||.
         ntk: compute K (B, B).
         route: "gram", "mat" or "auto" (cheapest by `route_costs`).
@@ -185,9 +253,10 @@ def sequence_statistics(
         euclidean: compute e^2 (free with K; on "gram" without K it costs about 0.6x the Fisher numerator).
 
     Returns:
-        `SequenceStats`; e2 is None if neither `euclidean` nor `ntk`.
+        `SequenceStats` in `stat_dtype(X.dtype)`; e2 is None if neither `euclidean` nor `ntk`.
     """
     B, L, d_in = X.shape
+    sdt = stat_dtype(X.dtype)
     d_out = G.shape[-1]
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
@@ -200,9 +269,10 @@ def sequence_statistics(
     num = den = None
     if fisher:
         XJ, GJ = (_gather_rows(T, sample, scratch, slot) for T, slot in ((X, "XJ"), (G, "GJ")))
-        den = torch.linalg.vector_norm(
-            torch.linalg.vector_norm(GJ[:S], dim=1) * torch.linalg.vector_norm(XJ[:S], dim=1)
-        )  # no absolute "+ 1e-12" (the reference's): |g_j| carries the loss normalization; 0 is handled by fisher_norm
+        # No absolute "+ 1e-12" (the reference's): |g_j| carries the loss normalization; 0 is handled by fisher_norm.
+        den = torch.linalg.vector_norm(_row_norms(GJ[:S], sdt) * _row_norms(XJ[:S], sdt))
+        if route == "mat" and XJ.dtype != sdt:  # "mat" contracts them with V (float32): the small factors upcast
+            XJ, GJ = XJ.to(sdt), GJ.to(sdt)
 
     if route == "gram":
         stats = _gram(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, euclidean)
@@ -213,7 +283,10 @@ def sequence_statistics(
         num = (u * u).sum(1)
     bias_per_seq = None
     if bias:  # (B, 1, L) @ (B, L, d_out): masked sums over positions without a masked copy of G
-        bias_per_seq = G.sum(1) if mask is None else torch.bmm(mask.to(G.dtype).unsqueeze(1), G).squeeze(1)
+        if mask is None:
+            bias_per_seq = G.sum(1) if G.dtype == sdt else G.sum(1, dtype=sdt)
+        else:
+            bias_per_seq = matmul_f32(mask.to(G.dtype).unsqueeze(1), G).squeeze(1)
     return SequenceStats(e2=e2, fisher_num=num, fisher_den=den, ntk=K, route=route, V=V, bias_per_seq=bias_per_seq)
 
 
@@ -267,27 +340,28 @@ def _v_rows_per_chunk(B: int, d_in: int, d_out: int, S: int, item: int, budget_b
 
 def _gram(X, G, XJ, GJ, ntk, budget, euclidean=True):
     B, L, _ = X.shape
-    item = X.element_size()
+    sdt = stat_dtype(X.dtype)  # products and sums (float32 for half operands)
+    item = torch.finfo(sdt).bits // 8
     u = None
     if XJ is not None:
         # u[i, j] = sum_{t in i} (a_t . a_j)(g_t . g_j): (B, c, S) blocks over positions t.
         S = XJ.shape[0]
-        u = X.new_zeros(B, S)
+        u = torch.zeros(B, S, dtype=sdt, device=X.device)
         step = _rows_per_chunk(2 * B * S * item, budget, L)
         for t0 in range(0, L, step):
-            Ga = X[:, t0 : t0 + step] @ XJ.T
-            Gg = G[:, t0 : t0 + step] @ GJ.T
+            Ga = matmul_f32(X[:, t0 : t0 + step], XJ.T)
+            Gg = matmul_f32(G[:, t0 : t0 + step], GJ.T)
             u += (Ga * Gg).sum(1)
     if ntk:
         # K = P (Ga o Gg) P^T over all B*L positions; row blocks of the flat token axis, upper triangle only.
         N = B * L
         Xf, Gf = X.reshape(N, -1), G.reshape(N, -1)
         seq = torch.arange(B, device=X.device).repeat_interleave(L)
-        K = X.new_zeros(B, B)
+        K = torch.zeros(B, B, dtype=sdt, device=X.device)
         step = min(TRI_ROWS, _rows_per_chunk(2 * N * item, budget, N))
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
-            M = (Xf[r0:r1] @ Xf[r0:].T) * (Gf[r0:r1] @ Gf[r0:].T)  # (c, N - r0)
+            M = matmul_f32(Xf[r0:r1], Xf[r0:].T) * matmul_f32(Gf[r0:r1], Gf[r0:].T)  # (c, N - r0)
             M[:, r1 - r0 :] *= 2  # strictly-upper blocks stand for their transposes too
             rows = torch.zeros(r1 - r0, B, dtype=M.dtype, device=M.device)
             rows.index_add_(1, seq[r0:], M)  # (c, B): segment sums over t'
@@ -297,19 +371,21 @@ def _gram(X, G, XJ, GJ, ntk, budget, euclidean=True):
     if not euclidean:
         return None, u, None, None
     # e_i^2 from the diagonal blocks, upper triangle of each L x L block.
-    e2 = X.new_zeros(B)
+    e2 = torch.zeros(B, dtype=sdt, device=X.device)
     step = min(TRI_ROWS, _rows_per_chunk(2 * B * L * item, budget, L))
     for t0 in range(0, L, step):
         t1 = min(L, t0 + step)
-        M = (X[:, t0:t1] @ X[:, t0:].transpose(1, 2)) * (G[:, t0:t1] @ G[:, t0:].transpose(1, 2))
+        M = matmul_f32(X[:, t0:t1], X[:, t0:].transpose(1, 2)) * matmul_f32(G[:, t0:t1], G[:, t0:].transpose(1, 2))
         e2 += M[:, :, : t1 - t0].sum((1, 2)) + 2 * M[:, :, t1 - t0 :].sum((1, 2))
     return e2, u, None, None
 
 
 def _mat(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True):
+    """XJ, GJ: the gathered sample rows in `stat_dtype(X.dtype)` (V's dtype)."""
     B, L, d_in = X.shape
     d_out = G.shape[-1]
-    item = X.element_size()
+    sdt = stat_dtype(X.dtype)  # V (float32 for half operands: it feeds the norms and the final sum)
+    item = torch.finfo(sdt).bits // 8
     # Per d_out row: the V chunk (B, c, d_in) and, for the Fisher numerator, Y = V a_J (B, c, S).
     S = XJ.shape[0] if XJ is not None else 0
     step = _v_rows_per_chunk(B, d_in, d_out, S, item, budget)
@@ -323,12 +399,12 @@ def _mat(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True):
     for o0 in range(0, d_out, step):
         o1 = min(d_out, o0 + step)
         if transposed:
-            out = None if scratch is None else scratch.get("V", (B, d_in, o1 - o0), X.dtype, X.device)
-            Vt = torch.bmm(X.transpose(1, 2), G[:, :, o0:o1], out=out)  # (B, d_in, c)
+            out = None if scratch is None else scratch.get("V", (B, d_in, o1 - o0), sdt, X.device)
+            Vt = matmul_f32(X.transpose(1, 2), G[:, :, o0:o1], out=out)  # (B, d_in, c)
             V, Vf = Vt.transpose(1, 2), Vt.view(B, -1)  # V: a (B, c, d_in) view
         else:
-            out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), X.dtype, X.device)
-            V = torch.bmm(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
+            out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), sdt, X.device)
+            V = matmul_f32(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
             Vf = V.view(B, -1)
         if ntk:  # with K, e^2 = diag K (no extra pass over V)
             K.append(_row_gram(Vf))
@@ -356,19 +432,23 @@ def _total(terms: list[torch.Tensor]) -> torch.Tensor:
 def reweighted_weight_grad(
     X: torch.Tensor, G: torch.Tensor, w: torch.Tensor, stats: SequenceStats | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_i w_i V_i, sum_i w_i b_i): the layer's weight and bias gradients, shapes (d_out, d_in), (d_out,) or None.
+    """(sum_i w_i V_i, sum_i w_i b_i): the layer's weight and bias gradients, shapes (d_out, d_in), (d_out,) or None,
+    in `stat_dtype(X.dtype)`. w: (B,).
 
     Uses the materialized V when the "mat" route kept it (B d_in d_out MACs), else one GEMM of the row-scaled output
     gradients, (w_seq(t) g_t)^T a_t, in place of autograd's weight-gradient GEMM. Without `stats` the bias gradient
     is summed over all positions (G must then be the masked operand).
     """
-    w = w.to(X.dtype)
+    sdt = stat_dtype(X.dtype)
+    w = w.to(sdt)
     if stats is not None and stats.V is not None:
         B, d_out, d_in = stats.V.shape
         if stats.V.is_contiguous():
             gw = (w @ stats.V.view(B, -1)).view(d_out, d_in)  # one pass over V
         else:  # V stored transposed (`_mat`): the (d_in, d_out) sum, then one d_out x d_in copy (1/B of V)
             gw = (w @ stats.V.transpose(1, 2).reshape(B, -1)).view(d_in, d_out).T.contiguous()
+    elif X.dtype in HALF_DTYPES:
+        gw = _half_reweighted_gemm(X, G, w)
     elif G.shape[-1] <= X.shape[-1]:  # scale the narrower operand's rows: sum_t (w_s(t) g_t) a_t^T
         gw = (G * w.view(-1, 1, 1)).reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
     else:
@@ -376,5 +456,24 @@ def reweighted_weight_grad(
     if stats is not None:  # the bias gradient only when the statistics were asked for it (no extra pass over G)
         gb = None if stats.bias_per_seq is None else w @ stats.bias_per_seq
     else:
-        gb = (G * w.view(-1, 1, 1)).sum((0, 1))
+        gb = (G.to(sdt) * w.view(-1, 1, 1)).sum((0, 1))
     return gw, gb
+
+
+def _half_reweighted_gemm(X: torch.Tensor, G: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_t w_s(t) g_t a_t^T (d_out, d_in) float32 for half X (B, L, d_in), G (B, L, d_out) and float32 w (B,).
+
+    The narrower operand's rows are scaled in float32 and rounded once to the half dtype (the GEMM needs one dtype),
+    by w / max|w|, multiplied back on the float32 result: fp16 cannot overflow (|scaled row| <= |row|), and the
+    sequences with the largest coefficients keep the operand's full precision.
+    """
+    top = w.abs().amax()
+    top = torch.where(top > 0, top, 1.0)
+    wn = (w / top).view(-1, 1, 1)
+    if G.shape[-1] <= X.shape[-1]:
+        Gs = (G.float() * wn).to(G.dtype)
+        gw = matmul_f32(Gs.reshape(-1, G.shape[-1]).T, X.reshape(-1, X.shape[-1]))
+    else:
+        Xs = (X.float() * wn).to(X.dtype)
+        gw = matmul_f32(G.reshape(-1, G.shape[-1]).T, Xs.reshape(-1, X.shape[-1]))
+    return gw.mul_(top)

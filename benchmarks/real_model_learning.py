@@ -29,6 +29,24 @@ import time
 DEFAULT_RESULTS = "docs/real-model/runs.jsonl"
 
 
+def code_version() -> str:
+    """The commit this process runs (with `+dirty` for uncommitted changes), recorded with every run."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+CODE_VERSION = code_version()  # read at start: the code a long-running process imported
+
+
 def parse_seeds(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -113,6 +131,7 @@ def cmd_run(args) -> int:
                             save_model=False)
         record["wall_seconds"] = time.time() - t0
         record["threads"] = args.threads
+        record["code"] = CODE_VERSION
         record["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         with open(args.results, "a") as f:
             f.write(json.dumps(record) + "\n")

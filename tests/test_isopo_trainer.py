@@ -272,6 +272,27 @@ def test_reward_funcs_is_optional_like_grpo_trainer():
         assert ours["reward_funcs"].default is None
 
 
+def test_constructed_without_reward_funcs_like_grpo_trainer(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """GRPOTrainer 1.16 takes `reward_funcs=None` and then needs the rewards from an environment: without one it raises
+    its own ValueError. Ours get there with the same arguments, positional or keyword, and raise the same error (not
+    a TypeError about a missing argument, nor a different check of ours first)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_isopo import TPOConfig, TPOTrainer
+
+    common = tiny_training_args(tmp_path, per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
+    data = tiny_prompt_dataset(8)
+    messages = []
+    for cls, cfg in ((GRPOTrainer, GRPOConfig), (ISOPOTrainer, ISOPOConfig), (TPOTrainer, TPOConfig)):
+        with pytest.raises(ValueError) as positional:
+            cls(tiny_model_dir, None, cfg(**common), data, None, tiny_tokenizer)
+        with pytest.raises(ValueError) as keyword:
+            cls(tiny_model_dir, args=cfg(**common), train_dataset=data, processing_class=tiny_tokenizer)
+        assert str(positional.value) == str(keyword.value)
+        messages.append(str(positional.value))
+    assert messages[0].startswith("No reward source provided") and len(set(messages)) == 1, messages
+
+
 @pytest.mark.multiprocess
 def test_two_processes_keep_identical_parameters(tmp_path):
     out = tmp_path / "result"

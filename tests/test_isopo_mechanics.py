@@ -342,3 +342,28 @@ def test_zero_padding_is_a_contiguous_copy_with_padding_rows_zeroed():
             out = mb.zero_padding(src, dt)
             assert out.is_contiguous() and out.dtype == dt
             assert torch.equal(bits(out), bits(src.to(dt).masked_fill(~mask.unsqueeze(-1), 0.0))), dt
+
+
+def test_weight_used_outside_its_forward_raises(tiny_tokenizer, tmp_path):
+    """A covered layer whose weight is used by another op (here a custom MLP forward calling F.linear on
+    down_proj.weight) would get an ordinary, reward-free gradient: the ISOPO window raises, naming the layer. The
+    unmodified model in the same trainer trains normally (a negative control)."""
+    import types
+
+    import torch.nn.functional as F
+
+    model = build_tiny_causal_lm(tiny_tokenizer, seed=2)
+    trainer = make_trainer(model, tiny_tokenizer, tmp_path)
+    inputs = make_batch(tiny_tokenizer)
+    with trainer.isopo_active():
+        trainer.compute_loss(trainer.model, inputs).backward()  # every covered layer had its ISOPO backward
+    mlp = trainer.model.model.layers[1].mlp
+
+    def forward(self, x):  # the same values, but down_proj's weight used without calling the module
+        return F.linear(self.act_fn(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight)
+
+    mlp.forward = types.MethodType(forward, mlp)
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.down_proj.*used outside the module's own forward"):
+        with trainer.isopo_active():
+            trainer.compute_loss(trainer.model, inputs).backward()
+    assert trainer.isopo_context.calls == {}  # cleared for the next micro-batch

@@ -175,6 +175,9 @@ class ISOPOContext:
     # input, e.g. gate/up, reuse one copy. Cleared with the micro-batch.
     _input_cache: tuple | None = None  # (key, masked X, the input x and micro-batch the key was made from)
     scratch: Scratch = field(default_factory=Scratch)
+    # ISOPO backward calls per covered layer in the current micro-batch (a dict update, no tensor op): a covered
+    # layer with none while others had theirs had its weight used outside its forward (`uncovered_layers`).
+    calls: dict = field(default_factory=dict)
     _generators: dict = field(default_factory=dict)  # device -> the Fisher sample's generator (re-seeded per call)
 
     def masked_input(self, x: torch.Tensor, mb: MicroBatch, dt: torch.dtype) -> torch.Tensor:
@@ -191,6 +194,7 @@ class ISOPOContext:
         """End of a micro-batch's backward: drop its state (and the scratch storage, unless `keep_scratch`)."""
         self.micro_batch = None
         self._input_cache = None
+        self.calls = {}
         if not keep_scratch:
             self.scratch.clear()
 
@@ -219,8 +223,15 @@ class ISOPOContext:
         gen.manual_seed((mb.seed * 1_000_003 + 7919 * self.layer_index.get(name, 0)) % (2**63))
         return fisher_token_sample(mb.mask, k, gen)
 
+    def uncovered_layers(self) -> list[str]:
+        """Covered layers without an ISOPO backward in this micro-batch although others had one (none: [])."""
+        if not self.calls:
+            return []
+        return [name for name in self.layer_index if name not in self.calls]
+
     def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
         """ISOPO weight (and bias) gradient of layer `name`. x: (B, L, d_in), g: (B, L, d_out)."""
+        self.calls[name] = self.calls.get(name, 0) + 1
         s = self.settings
         if x.shape[:2] != mb.mask.shape:
             raise RuntimeError(

@@ -223,6 +223,17 @@ class ISOPOTrainer(GRPOTrainer):
         try:
             with head:
                 yield
+            missing = ctx.uncovered_layers()
+            if missing:
+                # Their weights got an ordinary, reward-free gradient from some other use (e.g. `F.linear(x,
+                # layer.weight)` in a custom forward): silently wrong, so stop.
+                raise RuntimeError(
+                    f"ISOPO: the covered layer(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} had no ISOPO "
+                    "backward in this micro-batch while other covered layers did: their weight is used outside the "
+                    "module's own forward (a custom forward calling F.linear on it, a tied weight, FSDP1 flat "
+                    "parameters), so its gradient would not be re-weighted. Freeze these layers, exclude them from "
+                    "the LoRA target_modules, or call the module itself."
+                )
         finally:
             ctx.active = False
             ctx.clear()

@@ -28,6 +28,22 @@ def test_isopo_overhead_benchmark_smoke():
                    for line in lines), out.stdout
 
 
+def test_gpu_check_smoke(tmp_path):
+    """The prepared GPU check runs in its CPU form: one oracle case through pytest, the bf16 GRPO / ISOPO / TPO
+    timing on the small shape, and a JSON report with both (timings are not checked)."""
+    import json
+
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["oracle"]["returncode"] == 0 and report["oracle"]["summary"].startswith("1 passed")
+    rows = report["overhead"]["rows"]
+    assert {r["variant"] for r in rows} == {"p=-1", "q=-1", "interacting", "tpo"}
+    assert all(r["dtype"] == "bfloat16" and r["ratio_of_minima"] > 0 for r in rows)
+
+
 def test_isopo_overhead_benchmark_profiles_one_layer_shape():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "isopo_overhead.py"), "--profile-layer", "24,8", "--seq", "32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)

@@ -18,7 +18,7 @@ from isopo_oracle import make_batch, make_trainer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trl_isopo
-from trl_isopo.isopo import linear as isopo_linear
+from trl_isopo.isopo import layer as isopo_layer
 from trl_isopo.isopo import routes
 from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
@@ -26,7 +26,8 @@ from trl_isopo.tiny import build_tiny_causal_lm
 aten = torch.ops.aten
 PACKAGE = os.path.dirname(trl_isopo.__file__)
 MECHANISM = {os.path.join(PACKAGE, "isopo", f) for f in
-             ("linear.py", "routes.py", "reweight.py", "other_params.py", "fused_head.py", "ema.py", "plain.py")}
+             ("linear.py", "layer.py", "routes.py", "reweight.py", "other_params.py", "fused_head.py", "ema.py",
+              "plain.py")}
 # Ops whose result size or value the host must read (nanmedian: its CUDA kernel reads the NaN count in some
 # versions; repeat_interleave without output_size reads the repeats).
 HOST_READS = {aten._local_scalar_dense, aten.nonzero, aten.nonzero_numpy, aten.masked_select, aten.is_nonzero,
@@ -123,17 +124,17 @@ def test_isopo_micro_batch_has_no_host_syncs(tiny_tokenizer, tmp_path, monkeypat
 
 
 def test_recorder_sees_a_planted_host_read(tiny_tokenizer, tmp_path, monkeypatch):
-    """Negative control: a `.item()` inside the layer backward's call tree is reported, attributed to linear.py.
+    """Negative control: a `.item()` inside the layer backward's call tree is reported, attributed to layer.py.
     (Against the former code the test above fails: `MicroBatch.__post_init__` called `nonzero` on the mask.)"""
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float32, seed=1)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path)
-    real = isopo_linear.fisher_norm
-    monkeypatch.setattr(isopo_linear, "fisher_norm", lambda num, den: (den.item(), real(num, den))[1])
+    real = isopo_layer.fisher_norm
+    monkeypatch.setattr(isopo_layer, "fisher_norm", lambda num, den: (den.item(), real(num, den))[1])
     rec = HostSyncRecorder()
     with rec:
         with trainer.isopo_active():
             trainer.compute_loss(trainer.model, make_batch(tiny_tokenizer)).backward()
-    assert rec.calls and all(op.startswith("aten._local_scalar_dense") and origin.startswith("linear.py:layer_grads")
+    assert rec.calls and all(op.startswith("aten._local_scalar_dense") and origin.startswith("layer.py:isopo_linear_grad")
                              for op, origin in rec.calls)
 
 

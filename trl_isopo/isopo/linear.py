@@ -17,24 +17,12 @@ import torch.nn.functional as F
 
 from .ema import EMAStatistics
 from .plain import plain_backward_active
-from .reweight import (
-    REG_REFERENCES,
-    fisher_norm,
-    interacting_coefficients,
-    isopo_sequence_scales,
-    isopo_sequence_weights,
-    nonzero_median,
-    relative_overlap,
-)
-from .routes import (
-    DEFAULT_BUDGET_BYTES,
-    Scratch,
-    gemm_operand_dtype,
-    matmul_f32,
-    reweighted_weight_grad,
-    sequence_statistics,
-    stat_dtype,
-)
+from .layer import isopo_linear_grad, reference_point
+from .reweight import REG_REFERENCES
+from .routes import DEFAULT_BUDGET_BYTES, Scratch, gemm_operand_dtype, matmul_f32, stat_dtype
+
+# The stored EMA values a layer call may read (`layer.isopo_linear_grad`'s `history`).
+_HISTORY_KEYS = ("e", "f", "rho", "ntk", "e@median", "f@median", "rho@median")
 
 # Same-size integer views of the operand dtypes, for the bitwise padding fill (`MicroBatch.zero_padding`).
 _BITS = {
@@ -249,78 +237,34 @@ class ISOPOContext:
             X, G = x.to(odt), mb.zero_padding(g, odt)
         A = mb.advantages_as(dt, X.device)
         sample = self.fisher_sample(name, mb) if s.needs_fisher else None
-        stats = sequence_statistics(
-            X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mb.mask, self.scratch,
-            euclidean=s.needs_euclidean,
-        )
-        # Few, small tensor ops per layer call: each is a kernel launch (GPU) or ~3 us of dispatch (CPU), paid by
-        # every covered layer; metrics and EMA sums are reduced once per step instead (`step_metrics`, `end_step`).
-        # The coefficients see the statistics times the loss normalizer n (`MicroBatch.stat_scale`); the records
-        # (metrics) keep those of the back-propagated V_i.
-        n = mb.stat_scale_as(dt, X.device)
-        e2 = None if stats.e2 is None else stats.e2.clamp_min(0)
-        e = None if e2 is None else e2.sqrt()
-        if s.interacting:
-            K = stats.ntk if n is None else stats.ntk * (n.unsqueeze(1) * n.unsqueeze(0))
-            mean_eig = torch.diagonal(K).mean()  # trace(K) / B
-            lam = s.interacting_reg * self.ema.mu(name, "ntk", mean_eig)
-            w = interacting_coefficients(K, A, lam).to(dt)
-            self.ema.accumulate(name, "ntk", mean_eig)
-            self.lambdas.append(lam)
-            f = rho = e  # placeholders in the record (not reported)
-            scale = w
-        else:
-            f = rho = None
-            if s.needs_fisher:
-                f = fisher_norm(stats.fisher_num, stats.fisher_den)
-            if s.r != 0:
-                rho = relative_overlap(f, e)
-            if s.reg > 0:
-                # Degree 0 in the statistics: the normalizer n only matters for the reference point's history.
-                en = e if (e is None or n is None) else e * n
-                fn = f if (f is None or n is None) else f * n
-                used = {k: v for k, v, ex in (("e", en, s.q), ("f", fn, s.p), ("rho", rho, s.r)) if ex != 0}
-                mu = {k: self.reference_point(name, k, v * v) for k, v in used.items()}
-                scale = isopo_sequence_scales(en, fn, rho, mu, s.p, s.q, s.r, s.reg)
-            else:
-                # Pure normalization: the coefficient is homogeneous of degree p + q in V, the update sum_i w_i V_i
-                # of degree 1 + p + q (0 for the named settings), so V's own scale is kept: no EMA, no normalizer.
-                scale = isopo_sequence_scales(e, f, rho, {}, s.p, s.q, s.r, 0.0)
-            w = isopo_sequence_weights(A, scale)
-            e = f if e is None else e  # p alone: f > 0 marks the sequences with a nonzero layer gradient
-            f = e if f is None else f
-            rho = e if rho is None else rho
-        if self.weight_override is not None:
-            w = self.weight_override(name, A).to(dt)
-        self.records.append(torch.stack([e, f, rho, scale, A, w]))
-        # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
-        w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
-        gw, gb = reweighted_weight_grad(X, G, w, stats)
-        return gw, (gb if has_bias else None)
+        # The math is `layer.isopo_linear_grad`; here only the state around it. Few, small tensor ops per layer
+        # call (each is a kernel launch on a GPU, ~3 us of dispatch on a CPU): metrics and EMA sums are reduced once
+        # per step (`step_metrics`, `EMAStatistics.end_step`), the stored EMA values are read as Python floats.
+        prefix = name + "/"
+        history = {k: self.ema.ema.get(prefix + k) for k in _HISTORY_KEYS}
+        out = isopo_linear_grad(
+            X, G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device),
+            history={k: v for k, v in history.items() if v is not None},
+            coefficients=None if self.weight_override is None else self.weight_override(name, A),
+            has_bias=has_bias, scratch=self.scratch,
+        )  # fmt: skip
+        for key, values, weights in out.ema:
+            self.ema.accumulate(name, key, values, weights)
+        if out.lam is not None:
+            self.lambdas.append(out.lam)
+        self.records.append(out.record)
+        return out.grad_weight, out.grad_bias
 
     def reference_point(self, name: str, stat: str, x2: torch.Tensor) -> torch.Tensor | float:
-        """mu for statistic `stat` of layer `name` from this micro-batch's x^2 (B,) (`isopo_reg_reference`).
-
-        ema_mean: EMA over previous steps of the step mean of x^2; each sequence's own x^2 before any history (the
-            reference implementation's rule: the first step is uniform, R = sqrt(1 / c + 1)).
-        ema_median: EMA over previous steps of the step's median of x^2, taken as the mean over the step's
-            micro-batches (and processes) of each micro-batch's median over sequences with x > 0; before any
-            history, the current micro-batch's median.
-        batch_median: the current micro-batch's median of x^2 over sequences with x > 0 (no history).
-        Medians are on-device (no host sync); a micro-batch whose every x is 0 has no median (NaN, not folded).
-        """
-        ref = self.settings.reg_reference
-        if ref == "ema_mean":
-            mu = self.ema.mu(name, stat, x2)
-            self.ema.accumulate(name, stat, x2)
-            return mu
-        med = nonzero_median(x2)
-        if ref == "batch_median":
-            return med
-        key = f"{stat}@median"
-        has = ~torch.isnan(med)
-        self.ema.accumulate(name, key, torch.where(has, med, 0.0), has.to(med.dtype))
-        return self.ema.mu(name, key, med)
+        """mu for statistic `stat` of layer `name` from this micro-batch's x^2 (B,) under `isopo_reg_reference`
+        (`layer.reference_point`), folding this micro-batch's values into the EMA as a layer call does."""
+        prefix = f"{name}/{stat}"
+        mu, entries = reference_point(
+            self.settings.reg_reference, x2, self.ema.ema.get(prefix), self.ema.ema.get(prefix + "@median")
+        )
+        for suffix, values, weights in entries:
+            self.ema.accumulate(name, stat + suffix, values, weights)
+        return mu
 
     def plain_grads(self, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
         """Ordinary weight (and bias) gradient G^T X of one layer, padding rows of both operands dropped (they may

@@ -30,15 +30,16 @@ DEFAULT_RESULTS = "docs/real-model/runs.jsonl"
 
 
 def code_version() -> str:
-    """The commit this process runs (with `+dirty` for uncommitted changes), recorded with every run."""
+    """The commit this process runs (with `+dirty` for uncommitted changes to the code, i.e. outside `docs/`, where
+    the results file itself lives), recorded with every run."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)docs"],
+                               cwd=here, capture_output=True, text=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -156,7 +157,7 @@ def _fmt_seeds(values, scale=100.0, digits=1):
 
 
 def cmd_report(args) -> int:
-    results = load_results(args.results)
+    results = [r for r in load_results(args.results) if args.steps is None or r["settings"]["steps"] == args.steps]
     if not results:
         print(f"no results in {args.results}")
         return 1
@@ -286,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="markdown table (seed means and per-seed values) and a PNG")
     rep.add_argument("--results", default=DEFAULT_RESULTS)
     rep.add_argument("--png", default="docs/real-model/curves.png")
+    rep.add_argument("--steps", type=int, default=None, help="only runs of this length (e.g. 16: not the sweep)")
     sw = sub.add_parser("sweep", help="learning-rate sweep table: N-step runs of one seed by lr, and the pick")
     sw.add_argument("--results", default=DEFAULT_RESULTS)
     sw.add_argument("--step", type=int, default=8, help="the sweep runs' length (steps)")

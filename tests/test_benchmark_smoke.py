@@ -80,3 +80,27 @@ def test_real_model_steps_benchmark_smoke(tmp_path):
             assert len(s["times_s"]) == 1 and s["median_s"] > 0 and s["warmup_s"] > 0, method
             assert s["ratio_of_medians"] > 0 and len(s["mean_completion_lengths"]) == 1, method
             assert f"| {method} | " in out.stdout
+
+
+def test_real_model_sweep_compares_runs_of_one_length_only():
+    """`real_model_learning.py sweep`: only runs of the sweep's length count (a longer run's evaluation at the same step
+    is another measurement: its split and held-out set differ); the pick is the best greedy score, ties to sampled."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rml", ROOT / "benchmarks" / "real_model_learning.py")
+    rml = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rml)
+
+    def run(method, lr, steps, greedy, sampled, seed=0):
+        evals = [{"step": 0, "greedy": 0.1, "sampled": 0.1}, {"step": 8, "greedy": greedy, "sampled": sampled}]
+        if steps == 16:
+            evals.append({"step": 16, "greedy": 0.9, "sampled": 0.9})
+        return {"settings": {"method": method, "learning_rate": lr, "steps": steps, "seed": seed, "lora": True},
+                "evals": evals}
+
+    results = [run("tpo", 1e-4, 8, 0.40, 0.30), run("tpo", 3e-4, 8, 0.45, 0.20), run("tpo", 1e-3, 8, 0.45, 0.25),
+               run("tpo", 3e-3, 16, 0.99, 0.99), run("tpo", 1e-4, 8, 0.99, 0.99, seed=1)]
+    points = rml.sweep_points(results, step=8, seed=0)
+    assert sorted(points["tpo"]) == [1e-4, 3e-4, 1e-3]  # the 16-step run and seed 1 are left out
+    assert rml.pick_lr(points["tpo"]) == 1e-3  # tie on greedy 0.45: the better sampled score
+    assert rml.code_version() != "unknown"  # a git checkout records its commit

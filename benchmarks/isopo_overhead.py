@@ -254,15 +254,15 @@ def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
 PROBE_WIDTH = 16
 
 
-def _layer_runs(mask, d_in, d_out, bias, variant_settings, mb) -> dict:
+def _layer_runs(mask, d_in, d_out, bias, variant_settings, mb, dtype=torch.float32) -> dict:
     """{"plain": autograd's weight (+ bias) gradient, variant: ISOPO's `layer_grads`}, callables on the same random
-    inputs and padding mask."""
+    inputs (in the layer's `dtype`) and padding mask."""
     from trl_isopo.isopo.linear import ISOPOContext
 
     B, L = mask.shape
     g = torch.Generator().manual_seed(d_in * 7 + d_out)
-    x = torch.randn(B, L, d_in, generator=g).to(mask.device)
-    gr = torch.randn(B, L, d_out, generator=g).to(mask.device) * mask.unsqueeze(-1)  # autograd's G: 0 at padding
+    x = torch.randn(B, L, d_in, generator=g).to(mask.device, dtype)
+    gr = (torch.randn(B, L, d_out, generator=g) * mask.unsqueeze(-1)).to(mask.device, dtype)  # 0 at padding
 
     def plain():
         gw = gr.reshape(-1, gr.shape[-1]).T @ x.reshape(-1, x.shape[-1])
@@ -288,9 +288,9 @@ def _layer_runs(mask, d_in, d_out, bias, variant_settings, mb) -> dict:
     return runs
 
 
-def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb):
+def _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb, dtype=torch.float32):
     """ms per call (list over `repeats` alternated rounds) of each of `_layer_runs`."""
-    runs = _layer_runs(mask, d_in, d_out, bias, variant_settings, mb)
+    runs = _layer_runs(mask, d_in, d_out, bias, variant_settings, mb, dtype)
     return {k: [1e3 * t for t in ts] for k, ts in interleaved_times(runs, repeats).items()}
 
 
@@ -341,14 +341,15 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
     from trl_isopo.isopo.routes import route_costs
 
     covered = set(trainer.isopo_coverage["covered"])
-    shapes = Counter((m.in_features, m.out_features, m.bias is not None)
+    # The layer's dtype too: bf16 weights see bf16 inputs and output gradients (LoRA adapters stay float32).
+    shapes = Counter((m.in_features, m.out_features, m.bias is not None, m.weight.dtype)
                      for n, m in trainer.model.named_modules() if n in covered)
     calls = sum(shapes.values())
     B, L = mask.shape
     mb = MicroBatch(mask=mask.bool(), advantages=torch.randn(B, generator=torch.Generator().manual_seed(1)))
     rows, totals = [], {v: [0.0, 0.0] for v in variant_settings}
-    for (d_in, d_out, bias), count in sorted(shapes.items()):
-        times = _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb)
+    for (d_in, d_out, bias, dtype), count in sorted(shapes.items(), key=lambda kv: kv[0][:3]):
+        times = _layer_times(mask, d_in, d_out, bias, variant_settings, repeats, mb, dtype)
         base = min(times["plain"])
         rate = B * L * d_in * d_out / base
         for v, st in variant_settings.items():

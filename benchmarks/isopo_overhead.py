@@ -77,20 +77,26 @@ def build(shape: str, vocab: int, seed: int = 0, dtype: torch.dtype = torch.floa
     return model, tokenizer, cfg, lora_r
 
 
-def make_tpo_trainer(model, tokenizer, outdir):
-    """A TPOTrainer on its own copy of the model, set up like `make_trainers`' (TPO: eta 1, whole group of 8)."""
+def _trainer(trainer_cls, config_cls, model, tokenizer, output_dir, **fields):
+    """A trainer on its own copy of `model`, in training mode with gradient accumulation 1: one group of 8 prompts
+    ("w0 w1"), 8-token completions, a zero reward (the benchmark feeds its own batches), no checkpoints or logging."""
     from datasets import Dataset
 
-    from trl_isopo import TPOConfig, TPOTrainer
-
-    args = TPOConfig(output_dir=outdir + "/t", report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
-                     save_strategy="no", disable_tqdm=True, per_device_train_batch_size=8, num_generations=8,
-                     max_completion_length=8, gradient_checkpointing=False)
-    trainer = TPOTrainer(copy.deepcopy(model), lambda completions, **kw: [0.0] * len(completions), args=args,
-                         train_dataset=Dataset.from_dict({"prompt": ["w0 w1"] * 8}), processing_class=tokenizer)
+    args = config_cls(output_dir=output_dir, report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
+                      save_strategy="no", disable_tqdm=True, per_device_train_batch_size=8, num_generations=8,
+                      max_completion_length=8, gradient_checkpointing=False, **fields)
+    trainer = trainer_cls(copy.deepcopy(model), lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["w0 w1"] * 8}), processing_class=tokenizer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
+
+
+def make_tpo_trainer(model, tokenizer, outdir):
+    """A TPOTrainer set up like `make_trainers`' (TPO: eta 1, the whole group of 8 in the micro-batch)."""
+    from trl_isopo import TPOConfig, TPOTrainer
+
+    return _trainer(TPOTrainer, TPOConfig, model, tokenizer, outdir + "/t")
 
 
 def tpo_step_fn(trainer, batch):
@@ -106,24 +112,13 @@ def tpo_step_fn(trainer, batch):
 
 
 def make_trainers(model, tokenizer, outdir, other_params="surrogate"):
-    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_isopo import ISOPOConfig, ISOPOTrainer
 
-    common = dict(report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False, save_strategy="no",
-                  disable_tqdm=True, per_device_train_batch_size=8, num_generations=8, max_completion_length=8,
-                  gradient_checkpointing=False, loss_type="bnpo")
-    ds = Dataset.from_dict({"prompt": ["w0 w1"] * 8})
-    reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
-    plain = GRPOTrainer(copy.deepcopy(model), reward, args=GRPOConfig(output_dir=outdir + "/g", **common),
-                        train_dataset=ds, processing_class=tokenizer)
-    isopo = ISOPOTrainer(copy.deepcopy(model), reward,
-                         args=ISOPOConfig(output_dir=outdir + "/i", isopo_other_params=other_params, **common),
-                         train_dataset=ds, processing_class=tokenizer)
-    for t in (plain, isopo):
-        t.model.train()
-        t.current_gradient_accumulation_steps = 1
+    plain = _trainer(GRPOTrainer, GRPOConfig, model, tokenizer, outdir + "/g", loss_type="bnpo")
+    isopo = _trainer(ISOPOTrainer, ISOPOConfig, model, tokenizer, outdir + "/i", loss_type="bnpo",
+                     isopo_other_params=other_params)
     return plain, isopo
 
 

@@ -108,12 +108,6 @@ class ISOPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        kwargs = dict(
-            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
-            quantization_config=quantization_config, peft_config=peft_config, tools=tools, rollout_func=rollout_func,
-            environment_factory=environment_factory,
-        )  # fmt: skip
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = ISOPOConfig(f"{model_name.split('/')[-1]}-ISOPO")
@@ -122,7 +116,10 @@ class ISOPOTrainer(GRPOTrainer):
         for hook in _REQUIRED_HOOKS:
             if not callable(getattr(GRPOTrainer, hook, None)):
                 raise RuntimeError(f"GRPOTrainer.{hook} is missing: this TRL version is not supported by trl-isopo")
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        super().__init__(
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
+        )
         if self.aux_loss_enabled:
             raise ValueError("ISOPO does not support MoE router aux losses: set router_aux_loss_coef=0.")
         fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)

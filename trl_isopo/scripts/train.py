@@ -622,11 +622,12 @@ def resolve_resume(value):
     return value
 
 
-def run(argv: list[str] | None = None, callbacks=None, method: str | None = None):
+def run(argv: list[str] | None = None, callbacks=None, method: str | None = None, parsed=None):
     """Parse, train, save (with model card), push if asked, in this process; returns the trainer. `method` fixes
-    the method (`trl-isopo isopo|tpo|grpo`); None reads it from the arguments (`trl-isopo train`)."""
+    the method (`trl-isopo isopo|tpo|grpo`); None reads it from the arguments (`trl-isopo train`). `parsed`: the
+    4 dataclasses `parse_args(argv, method)` returns, if the caller has them already."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    script_args, training_args, model_args, dataset_args = parse_args(argv, method)
+    script_args, training_args, model_args, dataset_args = parsed or parse_args(argv, method)
     script_args._argv = argv
     script_args._prog = f"trl-isopo {method or 'train'}"
     resume = resolve_resume(training_args.resume_from_checkpoint)
@@ -654,10 +655,10 @@ def main(argv: list[str] | None = None, method: str | None = None) -> int:
     from trl_isopo.scripts import launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    _, launch_args, training_argv = parse_args(argv, method, return_launch_args=True)
+    parsed, launch_args, training_argv = parse_args(argv, method, return_launch_args=True)
     if launch_args:
         return launch.launch(method or "train", launch_args, training_argv)
-    run(argv, method=method)
+    run(argv, method=method, parsed=parsed)
     return 0
 
 

@@ -140,8 +140,8 @@ class TPOTrainer(GRPOTrainer):
         reward_funcs: reward function(s) or reward model(s), as for [`trl.GRPOTrainer`]; their weighted sum is the
             score s.
         args ([`TPOConfig`], *optional*): defaults to `TPOConfig("<model>-TPO")`.
-        **kwargs: every other [`trl.GRPOTrainer`] argument (`train_dataset`, `eval_dataset`, `processing_class`,
-            `peft_config`, `rollout_func`, ...).
+        train_dataset, eval_dataset, processing_class, ...: the other [`trl.GRPOTrainer`] arguments, same names,
+            order and defaults.
 
     Metrics (besides GRPO's generation metrics): `policy_loss` (the TPO cross-entropy), `entropy` (token entropy),
     `kl` (if `beta != 0`), `tpo/kl_q_p` (KL(q || p_theta), mean over groups), `tpo/max_abs_p_minus_q`,
@@ -185,12 +185,6 @@ class TPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        kwargs = dict(
-            train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
-            reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
-            quantization_config=quantization_config, peft_config=peft_config, tools=tools, rollout_func=rollout_func,
-            environment_factory=environment_factory,
-        )  # fmt: skip
         _check_trl_hooks()
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -205,7 +199,7 @@ class TPOTrainer(GRPOTrainer):
         validate_group_batching(
             args.per_device_train_batch_size,
             args.num_generations,
-            args.per_device_eval_batch_size if kwargs.get("eval_dataset") is not None else None,
+            args.per_device_eval_batch_size if eval_dataset is not None else None,
             args.num_generations_eval,
         )
         problems = tpo_unsupported_options(args)
@@ -215,7 +209,10 @@ class TPOTrainer(GRPOTrainer):
         self._tpo_max_abs_p_minus_q = 0.0
         # Generation-side metric sums deferred to the loss forwards (reuse path), per mode: [sums or None, left].
         self._tpo_deferred = {"train": [None, 0], "eval": [None, 0]}
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        super().__init__(
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
+        )
         missing = [name for name in _REQUIRED_STATE if not hasattr(self, name)]
         if missing:
             raise RuntimeError(f"TPOTrainer relies on GRPOTrainer attributes {missing}, missing in this TRL version.")

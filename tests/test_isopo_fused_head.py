@@ -146,7 +146,6 @@ def test_output_subsets(outputs):
 
 def test_token_chunking(monkeypatch):
     """Several token chunks (last one partial) give the same result as TRL chunked the same way."""
-    monkeypatch.setattr(fused_head, "TOKEN_CHUNK_SIZE", 8)
     monkeypatch.setattr(trl_kernel, "TOKEN_CHUNK_SIZE", 8)
     hidden, weight, bias, targets, scale = make_inputs(torch.float32, True, seed=4)
     cfg, grads = CASES[1], (randn(N, 102), randn(N, 103))
@@ -180,8 +179,8 @@ def test_autocast_bf16():
 @pytest.mark.parametrize("trainable", ["hidden", "weight", "bias", "all"])
 def test_needs_input_grad_skips_gemms(monkeypatch, trainable):
     calls = []
-    real = fused_head._addmm_acc
-    monkeypatch.setattr(fused_head, "_addmm_acc", lambda acc, a, b: (calls.append(a.shape), real(acc, a, b)))
+    real = fused_head._addmm_fp32
+    monkeypatch.setattr(fused_head, "_addmm_fp32", lambda acc, a, b: (calls.append(a.shape), real(acc, a, b)))
     hidden, weight, bias, targets, scale = make_inputs(torch.float32, True, seed=6)
     h, w, b = (t.detach().clone().requires_grad_(trainable in (name, "all")) for name, t in
                (("hidden", hidden), ("weight", weight), ("bias", bias)))
@@ -250,3 +249,22 @@ def test_entropy_only_loss(cfg):
     close(gh, rh, 2e-5)
     close(gw, rw, 2e-5)
     close(gb, rb, 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CASES[:2])
+def test_bitwise_trl_kernel(dtype, cfg):
+    """The forward is TRL's and the backward folds with TRL's kernel: with row_scale = 1 every output and gradient is
+    bit-identical to TRL's, and with any row_scale the hidden-state gradient still is."""
+    hidden, weight, bias, targets, scale = make_inputs(dtype, True, seed=10)
+    grads = (randn(N, 108), randn(N, 109))
+    trl, trl_grads = run(ChunkedLogProbFunction, hidden, weight, bias, targets, cfg, grads)
+    for s in (torch.ones(N), scale):
+        mine, mine_grads = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, s)
+        for a, b in zip(mine, trl):
+            assert torch.equal(a, b)
+        assert torch.equal(mine_grads[0], trl_grads[0])
+        if s is not scale:
+            assert torch.equal(mine_grads[1], trl_grads[1]) and torch.equal(mine_grads[2], trl_grads[2])
+        else:
+            assert not torch.equal(mine_grads[1], trl_grads[1])

@@ -189,7 +189,7 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
     runs as matrix products, with the sample as gathered (zero-padded): what FlopCounterMode should count).
 
     `valid`: the micro-batch's valid (non-padding) positions, from which the Fisher sample is drawn."""
-    from trl_isopo.isopo.routes import gathered_rows, gemm_macs, route_costs
+    from trl_isopo.isopo.routes import gathered_rows, gemm_macs, route_costs, statistics_cost
 
     H, V = cfg.hidden_size, cfg.vocab_size
     N = B * T
@@ -211,7 +211,8 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
         if name in covered:
             args = (B, T, m.in_features, m.out_features)
             flags = (settings.needs_fisher, settings.interacting, settings.budget_bytes)
-            c = route_costs(*args, S, *flags, euclidean=settings.needs_euclidean)
+            c = route_costs(*args, S, *flags, euclidean=settings.needs_euclidean,
+                            stat_cost=statistics_cost(m.weight.dtype, m.weight.device))
             route = c.best if settings.route == "auto" else settings.route
             extra += getattr(c, route)
             gemm += gemm_macs(*args, S_gathered, *flags, route, euclidean=settings.needs_euclidean,
@@ -333,7 +334,7 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
     from collections import Counter
 
     from trl_isopo.isopo.linear import MicroBatch
-    from trl_isopo.isopo.routes import route_costs
+    from trl_isopo.isopo.routes import route_costs, statistics_cost
 
     covered = set(trainer.isopo_coverage["covered"])
     # The layer's dtype too: bf16 weights see bf16 inputs and output gradients (LoRA adapters stay float32).
@@ -350,7 +351,7 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
         for v, st in variant_settings.items():
             S = min(st.fisher_tokens or B * L, int(mask.sum())) if st.needs_fisher else 0
             c = route_costs(B, L, d_in, d_out, S, st.needs_fisher, st.interacting, st.budget_bytes,
-                            euclidean=st.needs_euclidean)
+                            euclidean=st.needs_euclidean, stat_cost=statistics_cost(dtype, torch.device("cpu")))
             floor_ms = min(c.gram, c.mat) / rate
             extra = min(times[v]) - base
             totals[v][0] += count * extra

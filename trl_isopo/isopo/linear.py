@@ -19,7 +19,7 @@ from .ema import EMAStatistics
 from .plain import plain_backward_active
 from .layer import isopo_linear_grad, reference_point
 from .reweight import REG_REFERENCES
-from .routes import DEFAULT_BUDGET_BYTES, Scratch, gemm_operand_dtype, matmul_f32, stat_dtype
+from .routes import DEFAULT_BUDGET_BYTES, HALF_DTYPES, Scratch, matmul_f32, stat_dtype
 
 # The stored EMA values a layer call may read (`layer.isopo_linear_grad`'s `history`).
 _HISTORY_KEYS = ("e", "f", "rho", "ntk", "e@median", "f@median", "rho@median")
@@ -328,11 +328,12 @@ class ISOPOContext:
 
 
 def _layer_dtypes(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
-    """(statistics dtype, GEMM operand dtype) of one layer call: float64 / float64 for float64 inputs; bf16 / fp16
-    inputs (x and g alike) stay half as GEMM operands where the device multiplies them into float32
-    (`routes.gemm_operand_dtype`); everything else is computed in float32."""
+    """(statistics dtype, operand dtype) of one layer call: float64 / float64 for float64 inputs; bf16 / fp16 inputs
+    (x and g alike) stay half (the statistics upcast them where the device has no float32-output half GEMM, and the
+    final GEMM is a half one: `routes.statistics_operands`, `routes._half_reweighted_gemm`); everything else is
+    computed in float32."""
     dt = stat_dtype(x.dtype)
-    return dt, (gemm_operand_dtype(x.dtype, x.device) if g.dtype == x.dtype else dt)
+    return dt, (x.dtype if x.dtype in HALF_DTYPES and g.dtype == x.dtype else dt)
 
 
 class ISOPOLinearFunction(torch.autograd.Function):

@@ -19,9 +19,12 @@ Two routes compute them:
 Both are chunked so that no intermediate exceeds `budget_bytes`; they agree to float rounding (tests compare them
 with each other and with brute-force per-sequence autograd).
 
-Dtypes: X and G are float64, float32, or both bf16 / fp16 (`gemm_operand_dtype`). Every product of half operands
-is accumulated and returned in float32 (`matmul_f32`), and every statistic, V and the returned gradients are in
-`stat_dtype` (float64 for float64 operands, else float32).
+Dtypes: X and G are float64, float32, or both bf16 / fp16 (the layer's own dtype). Every statistic and V is a
+float32 sum of exact products (float64 for float64 operands, `stat_dtype`): half operands enter the GEMMs as they are
+where the device returns their products in float32 (`half_gemm_kernel`: CUDA, XPU), else (CPU) they are upcast once
+per layer for the statistics (`statistics_operands`). The final weight gradient of half operands is one half GEMM
+(`_half_reweighted_gemm`): float32-accumulated, and on a device without float32 outputs rounded once to the half
+dtype, which is the precision of the weight gradient autograd itself computes for a half layer.
 """
 
 from __future__ import annotations
@@ -48,8 +51,14 @@ SAMPLE_MULTIPLE = 8
 ROW_GRAM_BLOCK = 8192  # columns per block of the V V^T sum (`_row_gram`)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Test hook: keep bf16 / fp16 operands even where the device has no half GEMM with float32 outputs (CPU); every
-# product then upcasts its operands (`matmul_f32`). Off, such operands are upcast once per layer instead.
+# product then upcasts its operands (`matmul_f32`) and the final GEMM returns float32, as on CUDA. Off, such operands
+# are upcast once per layer for the statistics and the final GEMM is a half one (`_half_reweighted_gemm`).
 KEEP_HALF_OPERANDS = False
+# On a device without float32-output half GEMMs (CPU), cost of one MAC of the upcast float32 statistics relative to
+# one MAC of the half weight-gradient GEMM that autograd (and ISOPO's final GEMM) runs. Measured with torch 2.13 on
+# an AVX512-BF16 CPU core: (4864 x 2048) @ (2048 x 896) 203 ms float32 vs 94 ms bf16; the batched per-sequence
+# (8, 4864, 256) @ (8, 256, 896) 314 vs 118 ms. It makes "auto" prefer the route whose float32 work is smallest.
+UPCAST_GEMM_COST = 2.0
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,14 +81,25 @@ def half_gemm_kernel(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def gemm_operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Dtype in which a layer's X and G enter the GEMMs: bf16 / fp16 as they are where the device multiplies them
-    into float32 (`half_gemm_kernel`; ~15x the float32 GEMM rate on recent GPUs), else `stat_dtype(dtype)`. The
-    upcast is exact (every bf16 / fp16 value is a float32 value), so both give float32-accumulated products of the
-    same operands."""
-    if dtype in HALF_DTYPES and (KEEP_HALF_OPERANDS or half_gemm_kernel(device.type, dtype)):
-        return dtype
-    return stat_dtype(dtype)
+def keeps_half_operands(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether half X and G of `dtype` enter the statistics' GEMMs as they are: where the device multiplies them
+    into float32 (`half_gemm_kernel`; ~15x the float32 GEMM rate on recent GPUs). Otherwise (CPU) they are upcast
+    once per layer; the upcast is exact (every bf16 / fp16 value is a float32 value), so both give float32-accumulated
+    products of the same operands."""
+    return dtype in HALF_DTYPES and (KEEP_HALF_OPERANDS or half_gemm_kernel(device.type, dtype))
+
+
+def statistics_cost(dtype: torch.dtype, device: torch.device) -> float:
+    """Price of a statistics MAC relative to a weight-gradient MAC for layer operands of `dtype` on `device`:
+    `UPCAST_GEMM_COST` where half operands are upcast for the statistics, else 1."""
+    return UPCAST_GEMM_COST if dtype in HALF_DTYPES and not keeps_half_operands(dtype, device) else 1.0
+
+
+def statistics_operands(X: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(X, G, `statistics_cost`): half operands are upcast to float32 where the device has no float32-output half
+    GEMM, everything else is returned as it is."""
+    cost = statistics_cost(X.dtype, X.device)
+    return (X.float(), G.float(), cost) if cost != 1.0 else (X, G, cost)
 
 
 def matmul_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,6 +174,7 @@ def route_costs(
     *,
     euclidean: bool = True,
     macs_per_float: int = MAT_MACS_PER_FLOAT,
+    stat_cost: float = 1.0,
 ) -> RouteCost:
     """Analytic extra MACs of each route for one layer and micro-batch (padded layout, B rows of length L).
 
@@ -164,6 +185,9 @@ def route_costs(
     budget, else one more weight-gradient GEMM B L d_in d_out; e^2 B d_in d_out (free as diag K); Fisher
     B S d_in d_out; K B^2 d_in d_out; plus `macs_per_float` per float of V streamed (0: arithmetic only, where every
     term but the e^2 reduction over V is a GEMM; a test counts them against the GEMMs `sequence_statistics` runs).
+    stat_cost: price of a statistics MAC (V's included) relative to a weight-gradient MAC (`statistics_operands`).
+    Above 1, V no longer costs what the replaced GEMM costs, and without a kept V the final gradient is the half
+    GEMM that replaces autograd's (0 extra).
     """
     dd = d_in + d_out
     gram = B * L * S * dd if fisher else 0.0
@@ -174,11 +198,16 @@ def route_costs(
     # V is kept for the final sum only if it fits the budget (float32); else the final gradient is one more GEMM.
     fits = _v_rows_per_chunk(B, d_in, d_out, S if fisher else 0, 4, budget_bytes) >= d_out
     passes = MAT_PASSES_OVER_V - (not (euclidean or ntk)) - (not fits)  # write; e^2 or K read; final-sum read
-    mat = (passes * macs_per_float + (euclidean and not ntk)) * B * d_in * d_out  # with K, e^2 = diag K
+    wgrad = B * L * d_in * d_out  # one weight-gradient GEMM
+    mat = (euclidean and not ntk) * B * d_in * d_out  # with K, e^2 = diag K
     mat += B * S * d_in * d_out if fisher else 0.0
     mat += B * B * d_in * d_out if ntk else 0.0
-    mat += B * d_in * d_out if fits else B * L * d_in * d_out
-    return RouteCost(gram=float(gram), mat=float(mat))
+    # A kept V replaces autograd's GEMM (the part of its price above a weight-gradient MAC is extra) and the final
+    # gradient is its sum; else V is extra and the final gradient one more GEMM (stat_cost = 1) or the half GEMM
+    # replacing autograd's (stat_cost > 1): both priced as one stat_cost-priced wgrad here.
+    mat += (1 - 1 / stat_cost) * wgrad + B * d_in * d_out if fits else wgrad
+    mat = stat_cost * mat + passes * macs_per_float * B * d_in * d_out
+    return RouteCost(gram=float(stat_cost * gram), mat=float(mat))
 
 
 def gemm_macs(
@@ -255,6 +284,7 @@ def sequence_statistics(
     Returns:
         `SequenceStats` in `stat_dtype(X.dtype)`; e2 is None if neither `euclidean` nor `ntk`.
     """
+    X, G, stat_cost = statistics_operands(X, G)
     B, L, d_in = X.shape
     sdt = stat_dtype(X.dtype)
     d_out = G.shape[-1]
@@ -264,7 +294,7 @@ def sequence_statistics(
         raise ValueError("the Fisher estimate needs a token sample")
     S = int(sample.numel()) if fisher else 0
     if route == "auto":
-        route = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean).best
+        route = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost).best
 
     num = den = None
     if fisher:
@@ -447,12 +477,14 @@ def reweighted_weight_grad(
             gw = (w @ stats.V.view(B, -1)).view(d_out, d_in)  # one pass over V
         else:  # V stored transposed (`_mat`): the (d_in, d_out) sum, then one d_out x d_in copy (1/B of V)
             gw = (w @ stats.V.transpose(1, 2).reshape(B, -1)).view(d_in, d_out).T.contiguous()
-    elif X.dtype in HALF_DTYPES:
+    elif X.dtype == torch.bfloat16 or keeps_half_operands(X.dtype, X.device):
         gw = _half_reweighted_gemm(X, G, w)
-    elif G.shape[-1] <= X.shape[-1]:  # scale the narrower operand's rows: sum_t (w_s(t) g_t) a_t^T
-        gw = (G * w.view(-1, 1, 1)).reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
-    else:
-        gw = G.reshape(-1, G.shape[-1]).T @ (X * w.view(-1, 1, 1)).reshape(-1, X.shape[-1])
+    else:  # float32 / float64, or fp16 without a float32-output half GEMM (CPU): float32 GEMM of upcast operands
+        X, G = X.to(sdt), G.to(sdt)
+        if G.shape[-1] <= X.shape[-1]:  # scale the narrower operand's rows: sum_t (w_s(t) g_t) a_t^T
+            gw = (G * w.view(-1, 1, 1)).reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
+        else:
+            gw = G.reshape(-1, G.shape[-1]).T @ (X * w.view(-1, 1, 1)).reshape(-1, X.shape[-1])
     if stats is not None:  # the bias gradient only when the statistics were asked for it (no extra pass over G)
         gb = None if stats.bias_per_seq is None else w @ stats.bias_per_seq
     else:
@@ -465,15 +497,24 @@ def _half_reweighted_gemm(X: torch.Tensor, G: torch.Tensor, w: torch.Tensor) -> 
 
     The narrower operand's rows are scaled in float32 and rounded once to the half dtype (the GEMM needs one dtype),
     by w / max|w|, multiplied back on the float32 result: fp16 cannot overflow (|scaled row| <= |row|), and the
-    sequences with the largest coefficients keep the operand's full precision.
+    sequences with the largest coefficients keep the operand's full precision. The GEMM accumulates in float32; where
+    the device has no float32 output for it (CPU) its result is rounded once to the half dtype, as autograd's own
+    weight gradient of a half layer is (and as the gradient is anyway when stored in a half parameter's .grad).
     """
     top = w.abs().amax()
     top = torch.where(top > 0, top, 1.0)
     wn = (w / top).view(-1, 1, 1)
+    # Without a float32-output half GEMM only bf16 comes here (float32's range: its half output cannot overflow)
+    mm = matmul_f32 if keeps_half_operands(X.dtype, X.device) else _half_mm
     if G.shape[-1] <= X.shape[-1]:
         Gs = (G.float() * wn).to(G.dtype)
-        gw = matmul_f32(Gs.reshape(-1, G.shape[-1]).T, X.reshape(-1, X.shape[-1]))
+        gw = mm(Gs.reshape(-1, G.shape[-1]).T, X.reshape(-1, X.shape[-1]))
     else:
         Xs = (X.float() * wn).to(X.dtype)
-        gw = matmul_f32(G.reshape(-1, G.shape[-1]).T, Xs.reshape(-1, X.shape[-1]))
+        gw = mm(G.reshape(-1, G.shape[-1]).T, Xs.reshape(-1, X.shape[-1]))
     return gw.mul_(top)
+
+
+def _half_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of half operands: float32-accumulated, rounded once to the half dtype, returned in float32."""
+    return (a @ b).float()

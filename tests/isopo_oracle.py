@@ -173,3 +173,22 @@ def dense_weights(V, X, G, sample, A, p, q, r, c, mu=None):
 
 def rel_err(got, expected):
     return ((got - expected).norm() / expected.norm().clamp_min(1e-300)).item()
+
+
+def head_data(trainer, inputs):
+    """The LM head as a plain linear layer, densely in float64: its inputs x_t (B, C, H) at the positions that score
+    the completion tokens, the gradients g_t (B, C, V) of the whole micro-batch's surrogate w.r.t. the (temperature-
+    scaled) logits there, and the completion mask (B, C). Independent of TRL's fused kernel: full logits, autograd."""
+    model = trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    C = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=attention_mask).last_hidden_state[:, -C - 1 : -1]
+    head = model.get_output_embeddings()
+    logits = (hidden @ head.weight.detach().T).requires_grad_()
+    logp = torch.log_softmax(logits / trainer.temperature, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1))
+    mask = inputs["completion_mask"].bool()
+    loss = -(logp.squeeze(-1) * mask).sum() / mask.sum()
+    (G,) = torch.autograd.grad(loss, logits)
+    return hidden, G, mask

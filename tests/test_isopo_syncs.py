@@ -26,8 +26,8 @@ from trl_isopo.tiny import build_tiny_causal_lm
 aten = torch.ops.aten
 PACKAGE = os.path.dirname(trl_isopo.__file__)
 MECHANISM = {os.path.join(PACKAGE, "isopo", f) for f in
-             ("linear.py", "layer.py", "routes.py", "reweight.py", "other_params.py", "fused_head.py", "ema.py",
-              "plain.py")}
+             ("linear.py", "layer.py", "routes.py", "reweight.py", "other_params.py", "fused_head.py", "head.py",
+              "ema.py", "plain.py")}
 # Ops whose result size or value the host must read (nanmedian: its CUDA kernel reads the NaN count in some
 # versions; repeat_interleave without output_size reads the repeats).
 HOST_READS = {aten._local_scalar_dense, aten.nonzero, aten.nonzero_numpy, aten.masked_select, aten.is_nonzero,
@@ -121,6 +121,28 @@ def test_isopo_micro_batch_has_no_host_syncs(tiny_tokenizer, tmp_path, monkeypat
         assert all(p.grad is not None for n, p in trainer.model.named_parameters() if p.requires_grad)
         trainer._isopo_end_step()  # once per optimizer step, outside the layers: syncs allowed
         assert bool(ctx.ema.ema) == (VARIANTS[variant].get("reg_reference") != "batch_median")  # a history next
+
+
+@pytest.mark.parametrize("route", ["gram", "mat"])
+@pytest.mark.parametrize("variant", ["p=-1 (default)", "q=-1", "interacting"])
+def test_isopo_lm_head_has_no_host_syncs(tiny_tokenizer, tmp_path, variant, route):
+    """The ISOPO-transformed LM head (`isopo_lm_head=True`: statistics over the fused kernel's vocabulary tiles, then
+    the row-scaled kernel) issues no host read either, with a Fisher sample of 5 of its scored positions."""
+    model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float32, seed=1)
+    trainer = make_trainer(model, tiny_tokenizer, tmp_path, isopo_lm_head=True)
+    ctx = trainer.isopo_context
+    ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **VARIANTS[variant], "route": route, "fisher_tokens": 5})
+    inputs = make_batch(tiny_tokenizer)
+    for step in range(2):
+        trainer.model.zero_grad(set_to_none=True)
+        rec = HostSyncRecorder()
+        with rec:
+            with trainer.isopo_active():
+                trainer.compute_loss(trainer.model, inputs).backward()
+        assert rec.calls == [], rec.calls
+        assert ctx.calls == {} and len(ctx.records) == len(trainer.isopo_coverage["covered"]) + 1
+        trainer._isopo_end_step()
+        assert any(k.startswith("lm_head/") for k in ctx.ema.ema)
 
 
 def test_recorder_sees_a_planted_host_read(tiny_tokenizer, tmp_path, monkeypatch):

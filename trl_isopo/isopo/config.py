@@ -64,6 +64,11 @@ class ISOPOConfig(GRPOConfig):
             What trainable parameters outside the covered linear weights receive: `"advantage_weighted"` (the
             ordinary REINFORCE gradient), `"surrogate"` (the reference's advantage-free gradient of -log pi) or
             `"frozen"` (no update). Biases of covered layers are re-weighted like their weights.
+        isopo_lm_head (`bool`, *optional*, defaults to `False`):
+            Also transform the LM head's weight gradient with ISOPO, like a covered linear layer (the reference
+            implementation does; its statistics are accumulated over TRL's fused vocabulary tiles, about one more head
+            GEMM per micro-batch). Needs a trainable head (full fine-tuning). Off, the head follows
+            `isopo_other_params`. A head tied to the input embedding also receives the embedding's gradient.
         isopo_interacting (`bool`, *optional*, defaults to `False`):
             Use the interacting (layer-wise MinSR-like) variant.
         isopo_interacting_reg (`float`, *optional*, defaults to `1.0`):
@@ -109,6 +114,11 @@ class ISOPOConfig(GRPOConfig):
             "help": "Gradient for trainable parameters outside covered linear weights.",
             "choices": list(OTHER_PARAMS_MODES),
         },
+    )
+    isopo_lm_head: bool = field(
+        default=False,
+        metadata={"help": "Transform the LM head's weight gradient with ISOPO too (as the reference does); needs a "
+                          "trainable head. Off: the head follows isopo_other_params."},
     )
     isopo_interacting: bool = field(
         default=False, metadata={"help": "Interacting (layer-wise MinSR) variant: alpha = lam (K + lam I)^-1 A."}

@@ -65,7 +65,12 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_scale, *trl_args):
-        if row_scale.shape != (hidden.shape[0],):
+        # row_scale may also be a provider called in backward (`head.ISOPOHead`: coefficients that depend on the
+        # logits gradients themselves), with the saved tensors, the incoming gradients, compute dtype, fold arguments.
+        ctx.provider = row_scale if callable(row_scale) else None
+        if ctx.provider is not None:
+            row_scale = hidden.new_empty(0)
+        elif row_scale.shape != (hidden.shape[0],):
             raise ValueError(f"row_scale must have shape ({hidden.shape[0]},), got {tuple(row_scale.shape)}")
         rec = _RecordingContext(ctx)
         out = trl_kernel.ChunkedLogProbFunction.forward(rec, hidden, weight, bias, targets, *trl_args)
@@ -92,6 +97,9 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
         ge = grad_entropy.float().contiguous() if grad_entropy is not None else None
         N = hidden.shape[0]
         with maybe_gather_lm_head_ctx(weight, bias):
+            if scale is not None and ctx.provider is not None and (need_w or need_b):
+                scale = ctx.provider(hidden, weight, bias, targets, log_z, entropy, gl, ge, dt, ctx.kernel_args)
+                scale = scale.to(device=dev, dtype=prod_dt)
             vocab = weight.shape[0]
             grad_h = torch.zeros(hidden.shape, device=dev, dtype=f32) if need_h else None
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=f32) if need_w else None

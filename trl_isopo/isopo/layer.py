@@ -101,11 +101,29 @@ def isopo_linear_grad(
         scratch: reusable storage for the large temporaries (fresh if None).
     """
     s = settings
-    history = history or {}
     stats = sequence_statistics(
         X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mask, scratch,
         euclidean=s.needs_euclidean,
     )
+    w, record, ema, lam = isopo_coefficients(stats, advantages, s, stat_scale, history, coefficients)
+    # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
+    gw, gb = reweighted_weight_grad(X, G, torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0), stats)
+    return LayerGrad(gw, gb if has_bias else None, record, ema, lam)
+
+
+def isopo_coefficients(
+    stats,
+    advantages: torch.Tensor,
+    settings,
+    stat_scale: torch.Tensor | None = None,
+    history: Mapping[str, float] | None = None,
+    coefficients: torch.Tensor | None = None,
+):
+    """(w (B,), record (6, B), EMA entries, lam) of one layer and micro-batch from its per-sequence statistics
+    (`routes.SequenceStats`: e2, Fisher numerator / denominator, K): the module docstring's R, w_i and interacting
+    equations; arguments as in `isopo_linear_grad`. w may hold non-finite values (the caller drops them)."""
+    s = settings
+    history = history or {}
     A, n = advantages, stat_scale
     e = None if stats.e2 is None else stats.e2.clamp_min(0).sqrt()
     ema, lam = [], None
@@ -143,7 +161,4 @@ def isopo_linear_grad(
         rho = e if rho is None else rho
     if coefficients is not None:
         w = coefficients.to(A.dtype)
-    record = torch.stack([e, f, rho, scale, A, w])
-    # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
-    gw, gb = reweighted_weight_grad(X, G, torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0), stats)
-    return LayerGrad(gw, gb if has_bias else None, record, ema, lam)
+    return w, torch.stack([e, f, rho, scale, A, w]), ema, lam

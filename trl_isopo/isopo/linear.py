@@ -190,7 +190,7 @@ class ISOPOContext:
         if self.ema is None:
             self.ema = EMAStatistics(self.settings.ema_decay)
 
-    def fisher_sample(self, name: str, mb: MicroBatch) -> torch.Tensor:
+    def fisher_sample(self, name: str, mb: MicroBatch, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Flat indices (S,) into B*L of J, drawn on the mask's device (`fisher_token_sample`): uniform without
         replacement among the valid positions, |J| = min(k, N_valid), padded with padding positions to the fixed
         size S = min(k, B*L); all B*L positions (the exact estimate) for k <= 0 or k >= B*L.
@@ -198,18 +198,21 @@ class ISOPOContext:
         Fresh per layer and micro-batch, from a generator on the data's device seeded by (micro-batch seed, layer
         index): reproducible for a given seed and device type, independent of the global RNG, and no host-device
         copy. (CPU and CUDA generators give different, equally distributed, samples for one seed.)
+        `mask`: another (B, L') pool than the micro-batch's positions (the LM head's scored positions).
         """
         if self.sample_override is not None:
             return self.sample_override[name].to(mb.mask.device)
         k = self.settings.fisher_tokens
-        device = mb.mask.device
-        if k <= 0 or k >= mb.mask.numel():
-            return mb.positions(device)
+        pool = mb.mask if mask is None else mask
+        device = pool.device
+        if k <= 0 or k >= pool.numel():
+            return mb.positions(device) if mask is None else torch.arange(pool.numel(), device=device)
         gen = self._generators.get(device)
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
-        gen.manual_seed((mb.seed * 1_000_003 + 7919 * self.layer_index.get(name, 0)) % (2**63))
-        return fisher_token_sample(mb.mask, k, gen)
+        index = self.layer_index.get(name, len(self.layer_index))  # a module outside the covered layers: its own
+        gen.manual_seed((mb.seed * 1_000_003 + 7919 * index) % (2**63))
+        return fisher_token_sample(pool, k, gen)
 
     def uncovered_layers(self) -> list[str]:
         """Covered layers without an ISOPO backward in this micro-batch although others had one (none: [])."""
@@ -240,20 +243,26 @@ class ISOPOContext:
         # The math is `layer.isopo_linear_grad`; here only the state around it. Few, small tensor ops per layer
         # call (each is a kernel launch on a GPU, ~3 us of dispatch on a CPU): metrics and EMA sums are reduced once
         # per step (`step_metrics`, `EMAStatistics.end_step`), the stored EMA values are read as Python floats.
-        prefix = name + "/"
-        history = {k: self.ema.ema.get(prefix + k) for k in _HISTORY_KEYS}
         out = isopo_linear_grad(
-            X, G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device),
-            history={k: v for k, v in history.items() if v is not None},
+            X, G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device), history=self.history(name),
             coefficients=None if self.weight_override is None else self.weight_override(name, A),
             has_bias=has_bias, scratch=self.scratch,
         )  # fmt: skip
-        for key, values, weights in out.ema:
-            self.ema.accumulate(name, key, values, weights)
-        if out.lam is not None:
-            self.lambdas.append(out.lam)
-        self.records.append(out.record)
+        self.keep(name, out.record, out.ema, out.lam)
         return out.grad_weight, out.grad_bias
+
+    def history(self, name: str) -> dict[str, float]:
+        """The stored EMA values of module `name` by statistic (those that exist)."""
+        found = {k: self.ema.ema.get(f"{name}/{k}") for k in _HISTORY_KEYS}
+        return {k: v for k, v in found.items() if v is not None}
+
+    def keep(self, name: str, record: torch.Tensor, ema: list, lam) -> None:
+        """Fold one module call's EMA entries and keep its metrics record (and lambda) for the step."""
+        for key, values, weights in ema:
+            self.ema.accumulate(name, key, values, weights)
+        if lam is not None:
+            self.lambdas.append(lam)
+        self.records.append(record)
 
     def reference_point(self, name: str, stat: str, x2: torch.Tensor) -> torch.Tensor | float:
         """mu for statistic `stat` of layer `name` from this micro-batch's x^2 (B,) under `isopo_reg_reference`

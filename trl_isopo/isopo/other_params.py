@@ -133,10 +133,10 @@ def uninstall_advantage_weighting(modules: list[tuple[str, nn.Module]]) -> None:
             del module._isopo_orig_forward
 
 
-def _head_row_scale(n_rows: int, mb) -> torch.Tensor:
-    """Per-row advantages for the fused head's token rows: all B*(L-1) shifted positions, or only the scored ones."""
+def head_row_values(n_rows: int, mb, A: torch.Tensor) -> torch.Tensor:
+    """Per-sequence values A (B,) spread over the fused head's token rows (n_rows,): all B*(L-1) shifted positions,
+    or only the scored ones."""
     B, L = mb.mask.shape
-    A = mb.advantages
     if n_rows == B * (L - 1):
         return A.repeat_interleave(L - 1)
     # Compact layout (Triton devices): rows are positions whose shifted label is valid (see add_fused_lm_head), in
@@ -151,27 +151,31 @@ def _head_row_scale(n_rows: int, mb) -> torch.Tensor:
 
 
 class _AdvantageWeightedHead:
-    """Stand-in for TRL's ChunkedLogProbFunction during the ISOPO window (only `.apply` is used by TRL)."""
+    """Stand-in for TRL's ChunkedLogProbFunction during the ISOPO window (only `.apply` is used by TRL): rows scaled
+    by their sequence's advantage, or with `isopo` (an `head.ISOPOHead`) by the head's own ISOPO coefficients."""
 
-    def __init__(self, original, context):
-        self.original, self.context = original, context
+    def __init__(self, original, context, isopo=None):
+        self.original, self.context, self.isopo = original, context, isopo
 
     def apply(self, hidden, weight, bias, targets, *rest):
         mb = self.context.micro_batch
         trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
         if not (self.context.active and mb is not None and trainable and torch.is_grad_enabled()):
             return self.original.apply(hidden, weight, bias, targets, *rest)
-        scale = _head_row_scale(hidden.shape[0], mb).to(device=hidden.device, dtype=torch.float32)
+        if self.isopo is not None:
+            return RowScaledChunkedLogProb.apply(hidden, weight, bias, targets, self.isopo, *rest)
+        scale = head_row_values(hidden.shape[0], mb, mb.advantages).to(device=hidden.device, dtype=torch.float32)
         return RowScaledChunkedLogProb.apply(hidden, weight, bias, targets, scale, *rest)
 
 
 @contextlib.contextmanager
-def advantage_weighted_head(context):
-    """Swap TRL's fused log-prob kernel for the advantage-weighted stand-in (restored on exit)."""
+def advantage_weighted_head(context, isopo=None):
+    """Swap TRL's fused log-prob kernel for the advantage-weighted (or, with `isopo`, ISOPO) stand-in (restored on
+    exit)."""
     import trl.trainer.utils as trl_utils
 
     original = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = _AdvantageWeightedHead(original, context)
+    trl_utils._ChunkedLogProbFunction = _AdvantageWeightedHead(original, context, isopo)
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import ISOPOConfig
 from .linear import ISOPOContext, ISOPOSettings, MicroBatch, install_isopo_linears
+from .head import ISOPOHead
 from .other_params import advantage_weighted_head, install_advantage_weighting, other_trainable_modules
 from .plain import plain_backward
 
@@ -44,8 +45,10 @@ def unsupported_sharding(fsdp: bool, fsdp2: bool, zero_stage: int, beta: float) 
 
     ISOPO's per-layer backward needs the whole weight inside the module's forward and backward: FSDP2 and ZeRO-1/2
     give that (FSDP2 all-gathers around each sharded module; ZeRO-1/2 keep full weights), FSDP1's flat parameters and
-    ZeRO-3's gathering outside the module are not supported. beta > 0 adds the KL gradient through parameter hooks,
-    not adapted to FSDP2's sharded parameters yet."""
+    ZeRO-3's gathering outside the module are not supported. beta > 0 adds the KL gradient by a second autograd pass
+    inside the loss and parameter hooks: not adapted to FSDP2's sharded parameters yet, and under ZeRO-1/2 the pass
+    sets off DeepSpeed's end-of-backward gradient reduction with nothing accumulated (DeepSpeed 0.19.8:
+    IndexError in `reduce_ipg_grads`; tests/test_isopo_zero2.py)."""
     if (fsdp and not fsdp2) or zero_stage == 3:
         return (
             "ISOPO supports one process, DDP, DeepSpeed ZeRO-1/2 and FSDP2. FSDP1 (flat parameters) and ZeRO-3 "
@@ -55,7 +58,12 @@ def unsupported_sharding(fsdp: bool, fsdp2: bool, zero_stage: int, beta: float) 
     if fsdp2 and beta != 0.0:
         return (
             "ISOPO with beta > 0 adds the KL gradient through parameter hooks, not supported under FSDP2 yet: set "
-            "beta=0 or use DDP / ZeRO-1/2."
+            "beta=0 or use DDP."
+        )
+    if zero_stage in (1, 2) and beta != 0.0:
+        return (
+            "ISOPO with beta > 0 computes the KL gradient with a second autograd pass inside the loss, which DeepSpeed "
+            "ZeRO-1/2 takes for the end of the backward (its gradient reduction then fails): set beta=0 or use DDP."
         )
     return None
 
@@ -176,17 +184,25 @@ class ISOPOTrainer(GRPOTrainer):
         covered_ids = {id(m) for m in covered_modules}
         others = other_trainable_modules(model, covered_ids, head)
         head_trainable = head is not None and any(p.requires_grad for p in head.parameters())
+        isopo_head = self.args.isopo_lm_head
+        if isopo_head and not head_trainable:
+            raise ValueError(
+                "isopo_lm_head=True transforms the LM head's weight gradient, but this model's LM head has no trainable "
+                "parameter (LoRA freezes it). Train the head (full fine-tuning) or set isopo_lm_head=False."
+            )
         mode = self.args.isopo_other_params
         if mode == "frozen":
             for _, module in others:
                 module.requires_grad_(False)
-            if head_trainable:
+            if head_trainable and not isopo_head:
                 head.requires_grad_(False)
             if self.args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()  # reentrant checkpointing with a frozen embedding
         elif mode == "advantage_weighted":
             install_advantage_weighting(others, self.isopo_context)
-        self._isopo_head_weighted = mode == "advantage_weighted" and head_trainable
+        self._isopo_head_weighted = head_trainable and (isopo_head or mode == "advantage_weighted")
+        head_name = next((n for n, m in model.named_modules() if m is head), "lm_head")
+        self._isopo_head = ISOPOHead(self.isopo_context, head_name) if isopo_head else None
         n_cov = sum(p.numel() for m in covered_modules for p in m.parameters())
         n_other = sum(p.numel() for _, m in others for p in m.parameters(recurse=False) if p.requires_grad or mode == "frozen")
         n_head = sum(p.numel() for p in head.parameters()) if head_trainable else 0
@@ -196,6 +212,7 @@ class ISOPOTrainer(GRPOTrainer):
             "other_modules": len(others) + (1 if head_trainable else 0),
             "other_params": n_other + n_head,
             "other_params_mode": mode,
+            "lm_head": "isopo" if isopo_head else (mode if head_trainable else "frozen"),
             "covered": covered,
         }
         logger.info(
@@ -216,10 +233,16 @@ class ISOPOTrainer(GRPOTrainer):
         """The window in which covered layers use the ISOPO backward: one micro-batch's forward, recompute, backward."""
         ctx = self.isopo_context
         ctx.active = True
-        head = advantage_weighted_head(ctx) if self._isopo_head_weighted else contextlib.nullcontext()
+        head = advantage_weighted_head(ctx, self._isopo_head) if self._isopo_head_weighted else contextlib.nullcontext()
         try:
             with head:
                 yield
+            if self._isopo_head is not None and ctx.calls and self._isopo_head.name not in ctx.calls:
+                raise RuntimeError(
+                    "ISOPO: isopo_lm_head=True, but the LM head's gradient did not pass through TRL's fused log-prob "
+                    "kernel in this micro-batch (the logits were computed another way), so it would not be "
+                    "re-weighted. Set isopo_lm_head=False."
+                )
             missing = ctx.uncovered_layers()
             if missing:
                 # Their weights got an ordinary, reward-free gradient from some other use (e.g. `F.linear(x,

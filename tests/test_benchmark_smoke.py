@@ -104,3 +104,16 @@ def test_real_model_sweep_compares_runs_of_one_length_only():
     assert sorted(points["tpo"]) == [1e-4, 3e-4, 1e-3]  # the 16-step run and seed 1 are left out
     assert rml.pick_lr(points["tpo"]) == 1e-3  # tie on greedy 0.45: the better sampled score
     assert rml.code_version() != "unknown"  # a git checkout records its commit
+
+
+def test_isopo_head_overhead_benchmark_smoke(tmp_path):
+    out_json = tmp_path / "head.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "isopo_head_overhead.py"), "--vocab", "512", "--hidden", "32",
+           "--batch", "4", "--prompt", "8", "--completion", "8", "--repeats", "1", "--json", str(out_json)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    res = json.loads(out_json.read_text())["results"]
+    assert set(res) == {"TRL", "advantage-weighted", "ISOPO head p=-1", "ISOPO head q=-1", "ISOPO head interacting"}
+    assert res["TRL"]["ratio"] == 1.0 and all(r["ms"] > 0 for r in res.values())

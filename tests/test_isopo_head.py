@@ -57,17 +57,14 @@ def run_head(trainer, inputs, settings, ema=None, sample=None):
     ctx = trainer.isopo_context
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **settings})
     ctx.ema.ema = dict(ema or {})
-    ctx.sample_override = None if sample is None else {"lm_head": sample, **{n: None for n in ()}}
     try:
         if sample is not None:  # covered layers draw their own samples; only the head's is fixed
             orig = ctx.fisher_sample
-            ctx.sample_override = None
             ctx.fisher_sample = lambda name, mb, mask=None: sample if name == "lm_head" else orig(name, mb, mask)
         got = isopo_grads(trainer, inputs)
         record = ctx.records[-1] if ctx.records else None
     finally:
         ctx.__dict__.pop("fisher_sample", None)
-        ctx.sample_override = None
         ctx.ema.ema = {}
         ctx.ema.discard_step()
         ctx.records.clear()

@@ -86,6 +86,16 @@ class HostSyncRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def record_micro_batch(trainer, inputs) -> HostSyncRecorder:
+    """One micro-batch's loss forward and ISOPO backward under the recorder."""
+    trainer.model.zero_grad(set_to_none=True)
+    rec = HostSyncRecorder()
+    with rec:
+        with trainer.isopo_active():
+            trainer.compute_loss(trainer.model, inputs).backward()
+    return rec
+
+
 VARIANTS = {
     "p=-1 (default)": dict(p=-1.0, reg=1.0),
     "q=-1": dict(p=0.0, q=-1.0, reg=1.0),
@@ -111,11 +121,7 @@ def test_isopo_micro_batch_has_no_host_syncs(tiny_tokenizer, tmp_path, monkeypat
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     assert 5 < int(mask.sum()) < mask.numel()
     for step in range(2):  # the first step has no EMA history; the second has one (floats)
-        trainer.model.zero_grad(set_to_none=True)
-        rec = HostSyncRecorder()
-        with rec:
-            with trainer.isopo_active():
-                trainer.compute_loss(trainer.model, inputs).backward()
+        rec = record_micro_batch(trainer, inputs)
         assert rec.calls == [], rec.calls
         assert rec.attributed > 100  # the recorder does see ISOPO's ops
         assert all(p.grad is not None for n, p in trainer.model.named_parameters() if p.requires_grad)
@@ -134,11 +140,7 @@ def test_isopo_lm_head_has_no_host_syncs(tiny_tokenizer, tmp_path, variant, rout
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **VARIANTS[variant], "route": route, "fisher_tokens": 5})
     inputs = make_batch(tiny_tokenizer)
     for step in range(2):
-        trainer.model.zero_grad(set_to_none=True)
-        rec = HostSyncRecorder()
-        with rec:
-            with trainer.isopo_active():
-                trainer.compute_loss(trainer.model, inputs).backward()
+        rec = record_micro_batch(trainer, inputs)
         assert rec.calls == [], rec.calls
         assert ctx.calls == {} and len(ctx.records) == len(trainer.isopo_coverage["covered"]) + 1
         trainer._isopo_end_step()

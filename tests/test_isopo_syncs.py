@@ -158,7 +158,7 @@ def test_recorder_sees_a_planted_host_read(tiny_tokenizer, tmp_path, monkeypatch
     with rec:
         with trainer.isopo_active():
             trainer.compute_loss(trainer.model, make_batch(tiny_tokenizer)).backward()
-    assert rec.calls and all(op.startswith("aten._local_scalar_dense") and origin.startswith("layer.py:isopo_linear_grad")
+    assert rec.calls and all(op.startswith("aten._local_scalar_dense") and origin.startswith("layer.py:isopo_coefficients")
                              for op, origin in rec.calls)
 
 

@@ -6,6 +6,8 @@
    Qwen3-0.6B's dimensions with random weights (28 layers, hidden 1024, MLP 3072, vocabulary 151,936), LoRA r=16 and
    full weights: `benchmarks/isopo_overhead.py --dtype bfloat16 --tpo` (ratios of minima, median ratios, peak
    memory, GEMM MACs counted against the model).
+3. The LM head alone at Qwen3-0.6B's shape (151,936 x 1024), bf16: TRL's fused kernel vs the advantage-weighted and
+   the ISOPO-transformed head (`benchmarks/isopo_head_overhead.py`).
 
 Prints a summary and writes everything (with the raw times and the pytest output tail) as JSON:
 
@@ -24,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-ORACLE_TESTS = ["tests/test_isopo_oracle.py", "tests/test_isopo_bf16.py"]
+ORACLE_TESTS = ["tests/test_isopo_oracle.py", "tests/test_isopo_bf16.py", "tests/test_isopo_head.py"]
 
 
 def environment() -> dict:
@@ -68,6 +70,23 @@ def run_overhead(shapes: str, vocab: int, batch: int, seq: int, repeats: int, ti
     return result
 
 
+def run_head(smoke: bool, timeout: int) -> dict:
+    out = os.path.join(ROOT, f".gpu_check_head_{os.getpid()}.json")
+    size = (["--hidden", "32", "--vocab", "512", "--batch", "4", "--prompt", "8", "--completion", "8", "--repeats", "1"]
+            if smoke else ["--hidden", "1024", "--vocab", "151936", "--prompt", "128", "--completion", "384"])
+    cmd = [sys.executable, os.path.join(HERE, "isopo_head_overhead.py"), "--dtype", "bfloat16", *size, "--json", out]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    result = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
+              "table": [line for line in proc.stdout.splitlines() if line.startswith(("|", "#"))],
+              "tail": proc.stderr[-2000:]}
+    if os.path.exists(out):
+        with open(out) as f:
+            result["results"] = json.load(f)["results"]
+        os.remove(out)
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_check.json")
@@ -96,10 +115,13 @@ def main(argv=None) -> int:
     for row in report["overhead"].get("rows", []):
         print(f"{row['shape']:>16} {row['variant']:>12} {row['dtype']}: ratio of minima {row['ratio_of_minima']:.3f}, "
               f"median ratio {row['median_ratio']:.3f}")
+    report["head"] = run_head(args.smoke, timeout=180)
+    print("\n".join(report["head"]["table"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.out}")
     failed = report.get("oracle", {}).get("returncode", 0) != 0 or report["overhead"]["returncode"] != 0
+    failed = failed or report["head"]["returncode"] != 0
     return 1 if failed else 0
 
 

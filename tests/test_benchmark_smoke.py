@@ -42,6 +42,7 @@ def test_gpu_check_smoke(tmp_path):
     rows = report["overhead"]["rows"]
     assert {r["variant"] for r in rows} == {"p=-1", "q=-1", "interacting", "tpo"}
     assert all(r["dtype"] == "bfloat16" and r["ratio_of_minima"] > 0 for r in rows)
+    assert report["head"]["returncode"] == 0 and report["head"]["results"]["ISOPO head p=-1"]["ms"] > 0
 
 
 def test_isopo_overhead_benchmark_profiles_one_layer_shape():

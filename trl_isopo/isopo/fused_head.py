@@ -57,6 +57,9 @@ class _RecordingContext:
     def mark_non_differentiable(self, *tensors):
         self._ctx.mark_non_differentiable(*tensors)
 
+    def __getattr__(self, name):  # anything else TRL's forward reads (e.g. needs_input_grad) comes from the real ctx
+        return getattr(self._ctx, name)
+
 
 class RowScaledChunkedLogProb(torch.autograd.Function):
     """See the module docstring. Shapes: hidden [N, H], weight [V, H], bias [V] | None, targets [N] (long, in

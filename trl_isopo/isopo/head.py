@@ -25,7 +25,7 @@ import torch
 import trl.kernels.chunked_logprob as trl_kernel
 
 from .layer import isopo_coefficients
-from .routes import SequenceStats, _gather_rows, _gram, _mat, _row_norms, route_costs, stat_dtype, statistics_operands
+from .routes import SequenceStats, _gather_rows, _gram, _mat, _row_norms, route_costs, stat_dtype, statistics_cost
 
 
 def scored_rows(mb, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,12 +84,16 @@ def head_statistics(
     S = sample.numel() if s.needs_fisher else 0
     # Vocabulary tile width: the (B C, width) logits tile and its float32 copy within half the budget.
     width = min(vocab, max(128, s.budget_bytes // (2 * 4 * B * C)))
-    cost = statistics_operands(X[:, :1], X[:, :1])[2]
+    cost = statistics_cost(X.dtype, dev)  # > 1: half operands upcast for float32 statistics (CPU)
+
+    def operand(t):
+        return t.float() if cost != 1.0 else t
+
     c = route_costs(B, C, H, width, S, s.needs_fisher, s.interacting, s.budget_bytes, euclidean=s.needs_euclidean,
                     stat_cost=cost)
     # Here V replaces no GEMM (the weight gradient is the third step): the "mat" route pays for it in full.
     route = s.route if s.route != "auto" else ("gram" if c.gram <= c.mat + cost * B * C * H * width else "mat")
-    Xs = statistics_operands(X, X)[0]
+    Xs = operand(X)
     sdt = stat_dtype(Xs.dtype)
     XJ = _gather_rows(Xs, sample, None, "XJ") if S else None
     e2 = u = K = None
@@ -109,7 +113,7 @@ def head_statistics(
              gl if gl is not None else pick["log_z"], ge if ge is not None else pick["log_z"], v0, v1 - v0,
              HAS_LOGPROB_GRAD=gl is not None, HAS_ENTROPY_GRAD=ge is not None, BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
              **kernel_args)  # fmt: skip
-        G = statistics_operands(tile.view(B, C, -1), tile.view(B, C, -1))[0]
+        G = operand(tile.view(B, C, -1))
         GJ = _gather_rows(G, sample, None, "GJ") if S else None
         if S:
             gnorm2 += _row_norms(GJ, sdt).square()

@@ -76,7 +76,8 @@ class ISOPOTrainer(GRPOTrainer):
     gradient of the advantage-free surrogate, re-weighted by A_i and its regularized Fisher / Euclidean norms (or, with
     `isopo_interacting=True`, by lam (K + lam I)^-1 A). The backward seed is -sum(log pi) normalized like the
     configured `loss_type`; advantages enter only through these coefficients. Other trainable parameters receive what
-    `isopo_other_params` says. With `beta > 0`, TRL's k3 KL term to the reference model is added as an ordinary
+    `isopo_other_params` says; the LM head too, unless `isopo_lm_head=True` transforms it with ISOPO inside TRL's
+    fused log-prob kernel (`head.py`). With `beta > 0`, TRL's k3 KL term to the reference model is added as an ordinary
     gradient (one extra backward pass over the same graph, see `_isopo_kl_term`). See `docs/isopo.md`.
 
     Coefficients are computed per micro-batch and per process (a local estimator); the EMA statistics are averaged

@@ -180,3 +180,22 @@ def test_bf16_head_close_to_float64_oracle(tiny_tokenizer, tmp_path, setup, monk
     want = torch.einsum("b,boi->oi", want_w, V)
     assert rel_err(gw.double(), want) < 5e-2
     assert rel_err(gw.double(), torch.einsum("b,boi->oi", A.double(), V)) > 0.2
+
+
+def test_train_and_resume_with_isopo_head(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """`trainer.train()` with isopo_lm_head=True: the head trains, its EMA statistics are checkpointed under its name,
+    and 2 steps + resume + 2 steps equal 4 straight steps bit for bit."""
+    import json
+
+    from test_isopo_trainer import config, resume_and_compare, run
+
+    common = dict(max_steps=4, isopo_reg=1.0, isopo_lm_head=True, save_strategy="steps", save_steps=2,
+                  learning_rate=3e-2)
+    straight, _, changed = run(tiny_model_dir, tiny_tokenizer, config(tmp_path / "a", **common))
+    assert "lm_head.weight" in changed and straight.isopo_coverage["lm_head"] == "isopo"
+    ckpt = tmp_path / "a" / "out" / "checkpoint-2"
+    state = json.load(open(ckpt / "isopo_state.json"))
+    assert any(k.startswith("lm_head/") for k in state["ema"]["ema"])
+    assert any("isopo/fisher_norm" in h for h in straight.state.log_history)
+    resumed = resume_and_compare(tiny_model_dir, tiny_tokenizer, config(tmp_path / "b", **common), ckpt, straight)
+    assert resumed.isopo_context.ema.ema == straight.isopo_context.ema.ema

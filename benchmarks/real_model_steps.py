@@ -23,6 +23,7 @@ on the machine disturb far less than wall time.
 
     python benchmarks/real_model_steps.py --repeats 3 --threads 1 --out steps.json
     python benchmarks/real_model_steps.py --methods grpo,isopo,isopo-q,isopo-interacting,tpo --modes lora
+    python benchmarks/real_model_steps.py --methods grpo,isopo,isopo-head --modes full   # isopo_lm_head=True
     python benchmarks/real_model_steps.py --quick            # 1 of the 30 layers, 1 round, 4 tokens (smoke test)
 """
 
@@ -41,9 +42,10 @@ import time
 METHODS = {
     # name: (module, trainer class, config class, config fields)
     "grpo": ("trl", "GRPOTrainer", "GRPOConfig", {}),
-    "isopo": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {}),  # ISOPOConfig defaults (p=-1, reg=1)
+    "isopo": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {}),  # ISOPOConfig defaults (p=-1, c=0)
     "isopo-q": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {"isopo_p": 0.0, "isopo_q": -1.0}),
     "isopo-interacting": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {"isopo_p": 0.0, "isopo_interacting": True}),
+    "isopo-head": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {"isopo_lm_head": True}),  # full weights only
     "tpo": ("trl_isopo", "TPOTrainer", "TPOConfig", {}),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -85,6 +87,8 @@ def parse_args(argv=None):
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in ("lora", "full") for m in args.modes):
         p.error("--modes takes lora and/or full")
+    if "isopo-head" in args.methods and "lora" in args.modes:
+        p.error("isopo-head transforms the LM head, which LoRA freezes: use --modes full")
     if args.repeats < 1 or args.prompts < 1 or args.generations < 2:
         p.error("need --repeats >= 1, --prompts >= 1 and --generations >= 2")
     return args

@@ -13,13 +13,15 @@ where G [N, V] is the gradient w.r.t. the logits. Each [n, chunk] tile of G is r
 (calling TRL's kernel twice, once per gradient target, would recompute every tile twice).
 
 It is TRL's kernel, not a copy of it: the forward *is* `ChunkedLogProbFunction.forward` (run on a recording context
-so the row scale can be saved next to TRL's tensors), and the backward runs TRL's own tile fold (its Triton kernel on
-CUDA / XPU, its torch fold elsewhere) and TRL's float32-accumulating GEMM helper, in TRL's loop order. Only the
-weight-side operand differs: the hidden rows pre-multiplied by the scale (one product in float32, or float64 for
-float64 inputs, rounded once to the compute dtype). With row_scale = 1 every output and gradient is therefore
-bit-identical to TRL's on every device; `tests/test_isopo_fused_head.py` checks this and the scaled gradients against
-TRL called with scaled incoming gradients and a dense float64 reference. TRL is pinned to 1.16.x, whose kernel
-exposes these pieces; a TRL without them fails at import with the names it lacks.
+so the row scale can be saved next to TRL's tensors), and the backward runs TRL's own tile fold on CUDA / XPU (its
+Triton kernel) and TRL's float32-accumulating GEMM helper, in TRL's loop order. Only the weight-side operand
+differs: the hidden rows pre-multiplied by the scale (one product in float32, or float64 for float64 inputs, rounded
+once to the compute dtype). Elsewhere (CPU) the fold is `backward_tile_inplace`: TRL's torch fold, the same float32
+operations per element in the same order, written as in-place passes over the tile (TRL's allocates about six
+tile-sized temporaries per tile; on the real model's 49k-token vocabulary that cost an ISOPO step ~10 s, measured).
+With row_scale = 1 every output and gradient is bit-identical to TRL's; `tests/test_isopo_fused_head.py` checks this
+and the scaled gradients against TRL called with scaled incoming gradients and a dense float64 reference. TRL is
+pinned to 1.16.x, whose kernel exposes these pieces; a TRL without them fails at import with the names it lacks.
 
 Row scaling applies to the whole per-row gradient, i.e. also to the entropy term when the loss uses the entropy.
 Inside `plain.plain_backward()` (ISOPO's KL term) rows are not scaled: the ordinary gradient.
@@ -38,6 +40,50 @@ if _missing:  # pragma: no cover - only with an unsupported TRL
     raise ImportError(f"trl.kernels.chunked_logprob lacks {_missing}: trl-isopo needs TRL 1.16.x (pip install 'trl~=1.16.0')")
 
 _addmm_fp32 = trl_kernel._addmm_fp32  # acc (fp32) += a @ b, without rounding the product to a half dtype first
+
+
+def backward_tile_inplace(tile, tile_stride, targets, log_z, entropy, grad_logprobs, grad_entropy, vocab_start, n_cols,
+                          logit_scale, softcap, inv_t, HAS_SOFTCAP, HAS_LOGPROB_GRAD, HAS_ENTROPY_GRAD, BLOCK_SIZE):
+    """TRL's `_backward_tile` (same signature and result, bit for bit): overwrite the raw logits tile [n, c] with
+    d loss / d logits (loss = sum(grad_logprobs * logprobs + grad_entropy * entropy)), as in-place float32 passes over
+    at most two tile-sized buffers. Multiplications by exactly 1.0 are skipped (exact)."""
+    x = tile.float()  # the tile itself when it is float32
+    if logit_scale != 1.0:
+        x.mul_(logit_scale)
+    t = None
+    if HAS_SOFTCAP:
+        t = x.div_(softcap).tanh_()
+        x = t * softcap
+    if inv_t != 1.0:
+        x.mul_(inv_t)
+    log_p = x.sub_(log_z.unsqueeze(-1))
+    p = torch.exp(log_p) if HAS_ENTROPY_GRAD else log_p.exp_()
+    if HAS_LOGPROB_GRAD:  # g_j = gl * ([j == target] - p_j): -gl * p everywhere, then the target column patched
+        gl = grad_logprobs.unsqueeze(-1)
+        local = targets - vocab_start
+        idx = local.clamp(0, n_cols - 1).unsqueeze(-1)
+        in_tile = ((local >= 0) & (local < n_cols)).unsqueeze(-1)
+        target_g = gl * (1 - p.gather(-1, idx))
+        g = p * -gl if HAS_ENTROPY_GRAD else p.mul_(-gl)
+        g.scatter_(-1, idx, torch.where(in_tile, target_g, g.gather(-1, idx)))
+    if HAS_ENTROPY_GRAD:  # g_j -= ge * p_j * (log p_j + H)
+        ent = p.mul_(grad_entropy.unsqueeze(-1)).mul_(log_p.add_(entropy.unsqueeze(-1)))
+        g = g.sub_(ent) if HAS_LOGPROB_GRAD else ent.neg_()
+    if inv_t != 1.0:
+        g.mul_(inv_t)
+    if t is not None:
+        g.mul_(t.mul_(t).neg_().add_(1))
+    if logit_scale != 1.0:
+        g.mul_(logit_scale)
+    if g.data_ptr() != tile.data_ptr():
+        tile.copy_(g)
+
+
+def tile_fold(device: torch.device, n_rows: int, n_cols: int):
+    """The backward fold for one [n_rows, n_cols] tile: TRL's Triton kernel where TRL uses it, else the in-place one."""
+    if trl_kernel._use_triton(device):
+        return trl_kernel._backward_kernel[(n_rows, -(-n_cols // trl_kernel._BLOCK_SIZE))]
+    return backward_tile_inplace
 
 
 class _RecordingContext:
@@ -109,7 +155,6 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=f32) if need_b else None
             step = trl_kernel.TOKEN_CHUNK_SIZE
             buf = torch.empty((min(N, step), chunk), device=dev, dtype=dt)
-            triton = trl_kernel._use_triton(dev)
             for t0 in range(0, N, step):
                 rows = slice(t0, min(t0 + step, N))
                 h = hidden[rows].to(dt)
@@ -122,9 +167,7 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
                     torch.mm(h, w_chunk.t(), out=tile)
                     if bias is not None:
                         tile.add_(bias[v0:v1].to(dt))
-                    blocks = -(-(v1 - v0) // trl_kernel._BLOCK_SIZE)
-                    fold = trl_kernel._backward_kernel[(n, blocks)] if triton else trl_kernel._backward_tile
-                    fold(  # TRL's own fold: the tile becomes the logits gradient G, in the compute dtype
+                    tile_fold(dev, n, v1 - v0)(  # the tile becomes the logits gradient G, in the compute dtype
                         tile,
                         tile.stride(0),
                         targets[rows],

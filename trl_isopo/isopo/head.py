@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import trl.kernels.chunked_logprob as trl_kernel
 
+from .fused_head import tile_fold
 from .layer import isopo_coefficients
 from .routes import SequenceStats, _gather_rows, _gram, _mat, _row_norms, route_costs, stat_dtype, statistics_cost
 
@@ -99,17 +100,13 @@ def head_statistics(
     e2 = u = K = None
     gnorm2 = torch.zeros(XJ.shape[0], dtype=sdt, device=dev) if S else None
     buf = torch.empty((B * C, width), device=dev, dtype=compute_dtype)
-    triton = trl_kernel._use_triton(dev)
     for v0 in range(0, vocab, width):
         v1 = min(v0 + width, vocab)
         tile = buf[:, : v1 - v0]
         torch.mm(h, weight[v0:v1].to(compute_dtype).t(), out=tile)
         if bias is not None:
             tile.add_(bias[v0:v1].to(compute_dtype))
-        fold = trl_kernel._backward_kernel[(B * C, -(-(v1 - v0) // trl_kernel._BLOCK_SIZE))] if triton else (
-            trl_kernel._backward_tile
-        )
-        fold(tile, tile.stride(0), pick["targets"], pick["log_z"], pick["ent"],
+        tile_fold(dev, B * C, v1 - v0)(tile, tile.stride(0), pick["targets"], pick["log_z"], pick["ent"],
              gl if gl is not None else pick["log_z"], ge if ge is not None else pick["log_z"], v0, v1 - v0,
              HAS_LOGPROB_GRAD=gl is not None, HAS_ENTROPY_GRAD=ge is not None, BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
              **kernel_args)  # fmt: skip

@@ -53,11 +53,10 @@ def run_oracle(device: str, smoke: bool, timeout: int) -> dict:
             "seconds": round(time.perf_counter() - t0, 1), "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
 
 
-def run_overhead(shapes: str, vocab: int, batch: int, seq: int, repeats: int, timeout: int) -> dict:
-    out = os.path.join(ROOT, f".gpu_check_overhead_{os.getpid()}.json")
-    cmd = [sys.executable, os.path.join(HERE, "isopo_overhead.py"), "--shapes", shapes, "--vocab", str(vocab),
-           "--batch", str(batch), "--seq", str(seq), "--repeats", str(repeats), "--layer-repeats", "0",
-           "--dtype", "bfloat16", "--tpo", "--json", out]
+def run_benchmark(script: str, args: list[str], key: str, timeout: int) -> dict:
+    """Run benchmarks/<script> with `args` and `--json`; its printed table, timing and the JSON's `key` entry."""
+    out = os.path.join(ROOT, f".gpu_check_{key}_{os.getpid()}.json")
+    cmd = [sys.executable, os.path.join(HERE, script), *args, "--json", out]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     result = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
@@ -65,26 +64,21 @@ def run_overhead(shapes: str, vocab: int, batch: int, seq: int, repeats: int, ti
               "tail": proc.stderr[-2000:]}
     if os.path.exists(out):
         with open(out) as f:
-            result["rows"] = json.load(f)["rows"]
+            result[key] = json.load(f)[key]
         os.remove(out)
     return result
+
+
+def run_overhead(shapes: str, vocab: int, batch: int, seq: int, repeats: int, timeout: int) -> dict:
+    args = ["--shapes", shapes, "--vocab", str(vocab), "--batch", str(batch), "--seq", str(seq), "--repeats",
+            str(repeats), "--layer-repeats", "0", "--dtype", "bfloat16", "--tpo"]
+    return run_benchmark("isopo_overhead.py", args, "rows", timeout)
 
 
 def run_head(smoke: bool, timeout: int) -> dict:
-    out = os.path.join(ROOT, f".gpu_check_head_{os.getpid()}.json")
     size = (["--hidden", "32", "--vocab", "512", "--batch", "4", "--prompt", "8", "--completion", "8", "--repeats", "1"]
             if smoke else ["--hidden", "1024", "--vocab", "151936", "--prompt", "128", "--completion", "384"])
-    cmd = [sys.executable, os.path.join(HERE, "isopo_head_overhead.py"), "--dtype", "bfloat16", *size, "--json", out]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    result = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
-              "table": [line for line in proc.stdout.splitlines() if line.startswith(("|", "#"))],
-              "tail": proc.stderr[-2000:]}
-    if os.path.exists(out):
-        with open(out) as f:
-            result["results"] = json.load(f)["results"]
-        os.remove(out)
-    return result
+    return run_benchmark("isopo_head_overhead.py", ["--dtype", "bfloat16", *size], "results", timeout)
 
 
 def main(argv=None) -> int:

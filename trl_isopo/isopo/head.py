@@ -26,6 +26,7 @@ import trl.kernels.chunked_logprob as trl_kernel
 
 from .fused_head import tile_fold
 from .layer import isopo_coefficients
+from .other_params import head_row_values, scored_positions
 from .routes import SequenceStats, _gather_rows, _gram, _mat, _row_norms, route_costs, stat_dtype, statistics_cost
 
 
@@ -35,8 +36,7 @@ def scored_rows(mb, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     (row-major; `other_params.head_row_values`). Invalid positions point at row 0 (their `valid` is False)."""
     B, L = mb.mask.shape
     C = mb.logits_to_keep
-    valid = mb.mask[:, 1:].clone()
-    valid[:, : L - 1 - C] = False
+    valid = scored_positions(mb)
     if n_rows == B * (L - 1):
         rows = torch.arange(n_rows, device=valid.device).view(B, L - 1)
     else:
@@ -143,8 +143,6 @@ class ISOPOHead:
 
     def __call__(self, hidden, weight, bias, targets, log_z, entropy, grad_logprobs, grad_entropy, compute_dtype,
                  kernel_args) -> torch.Tensor:  # fmt: skip
-        from .other_params import head_row_values
-
         ctx, mb, s = self.context, self.context.micro_batch, self.context.settings
         ctx.calls[self.name] = ctx.calls.get(self.name, 0) + 1
         rows, valid = scored_rows(mb, hidden.shape[0])

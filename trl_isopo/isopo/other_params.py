@@ -133,6 +133,15 @@ def uninstall_advantage_weighting(modules: list[tuple[str, nn.Module]]) -> None:
             del module._isopo_orig_forward
 
 
+def scored_positions(mb) -> torch.Tensor:
+    """(B, L-1) bool: the shifted positions the fused head scores, i.e. valid labels among the last C = logits_to_keep
+    positions. In TRL's compact layout (Triton devices) the kernel's rows are these positions, row-major."""
+    L = mb.mask.shape[1]
+    valid = mb.mask[:, 1:].clone()
+    valid[:, : L - 1 - mb.logits_to_keep] = False
+    return valid
+
+
 def head_row_values(n_rows: int, mb, A: torch.Tensor) -> torch.Tensor:
     """Per-sequence values A (B,) spread over the fused head's token rows (n_rows,): all B*(L-1) shifted positions,
     or only the scored ones."""
@@ -142,9 +151,7 @@ def head_row_values(n_rows: int, mb, A: torch.Tensor) -> torch.Tensor:
     # Compact layout (Triton devices): rows are positions whose shifted label is valid (see add_fused_lm_head), in
     # row-major order, so row r belongs to the first sequence whose running count of such positions exceeds r.
     # Without a host read (no boolean indexing, no count check on the host): the count is checked on the device.
-    valid = mb.mask[:, 1:].clone()
-    valid[:, : L - 1 - mb.logits_to_keep] = False
-    ends = valid.sum(1).cumsum(0)  # (B,)
+    ends = scored_positions(mb).sum(1).cumsum(0)  # (B,)
     torch._assert_async(ends[-1] == n_rows, f"cannot map {n_rows} fused-head rows to the micro-batch's {B} sequences")
     seq = torch.searchsorted(ends, torch.arange(n_rows, device=ends.device), right=True)
     return A.index_select(0, seq.clamp_max(B - 1))

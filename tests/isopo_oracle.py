@@ -1,4 +1,4 @@
-"""Brute-force float64 oracle for ISOPO: one forward/backward per sequence, then the dense formulas of isopo-spec §2.
+"""Brute-force float64 oracle for ISOPO: one forward/backward per sequence, then the dense formulas of docs/isopo.md.
 
 Deliberately independent of `trl_isopo.isopo`'s math: per-sequence gradients come from plain autograd on a batch of
 one row, statistics from explicit V_i, the solve from `torch.linalg.solve`.
@@ -148,8 +148,10 @@ def R(x, mu, c):
     return torch.sqrt(torch.where(x > 0, x**2 / (c * mu), 0.0) + 1)
 
 
-def dense_weights(V, X, G, sample, A, p, q, r, c, mu=None):
-    """w_i = A_i / (R(e)^-q R(f)^-p R(rho)^-r) from explicit V (B, d_out, d_in) and flat token sample J.
+def dense_weights(V, X, G, sample, A, p, q, r, c, mu=None, n_step=None):
+    """w_i = A_i / (R(e)^-q R(f)^-p R(rho)^-r) from explicit V (B, d_out, d_in) and flat token sample J, times
+    n_step^(p+q) for c = 0 (the step normalization, docs/isopo.md "Batch semantics"): n_step = the sequences of the
+    trainer's optimizer step (B for one micro-batch per step); None for the layer function alone (no normalization).
 
     No absolute guards (the reference adds 1e-8 to the denominator and 1e-12 inside the Fisher denominator and to e):
     with c = 0 an exact zero statistic gives w_i = 0. mu (c > 0) is in the units of the statistics of V as given."""
@@ -168,7 +170,8 @@ def dense_weights(V, X, G, sample, A, p, q, r, c, mu=None):
         for x, ex in ((e, q), (f, p), (rho, r)):
             if ex != 0:
                 zero |= x == 0
-    return torch.where(zero | (denom == 0), 0.0, A.double() / denom), stats
+    norm = float(n_step) ** (p + q) if c == 0 and n_step is not None else 1.0
+    return torch.where(zero | (denom == 0), 0.0, A.double() * norm / denom), stats
 
 
 def rel_err(got, expected):

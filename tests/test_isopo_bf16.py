@@ -6,23 +6,27 @@ Compared with float64 oracles (dense per-sequence V_i, `isopo_oracle`). Unit rou
 - "upcast": X and G are upcast to float32 once per layer (exact) for the statistics' float32 GEMMs, and the final
   gradient is one bf16 GEMM rounded once to bf16 (fp16: float32 output), the precision of autograd's own weight
   gradient of a half layer: what runs where the device has no half GEMM with float32 output (CPU;
-  `routes.statistics_operands`, `routes._half_reweighted_gemm`);
-- "half": X and G stay bf16 / fp16 and every product is accumulated and returned in float32 (`routes.matmul_f32`):
-  what runs on CUDA (`out_dtype=torch.float32` GEMMs). Forced on CPU with `routes.KEEP_HALF_OPERANDS`, where each
-  product upcasts its operands, which gives the same float32 sums (bf16 x bf16 products are exact in float32).
+  `statistics.statistics_operands`, `weight_grad._half_reweighted_gemm`);
+- "half": X and G stay bf16 / fp16 and every product is accumulated and returned in float32 (`precision.matmul_f32`):
+  what runs on CUDA (`out_dtype=torch.float32` GEMMs). Forced on CPU with `ISOPOSettings.force_half_operands`, where
+  each product upcasts its operands, which gives the same float32 sums (bf16 x bf16 products are exact in float32).
   The one rounding on this path: the narrower operand's rows scaled by the coefficients are rounded back to the half
-  dtype for the final GEMM (`routes._half_reweighted_gemm`; not when the "mat" route keeps V).
+  dtype for the final GEMM (`weight_grad._half_reweighted_gemm`; not when the "mat" route keeps V).
+
+The tensors live on the test device (`TRL_ISOPO_TEST_DEVICE`, default CPU). The bounds follow the path actually taken,
+`precision.keeps_half_operands(dtype, device)`: on CUDA it is "half" for both fixture values.
 """
 
 import copy
 
 import pytest
 import torch
-from isopo_oracle import dense_weights, make_batch, make_trainer, per_sequence_data, rel_err
+from isopo_oracle import DEVICE, dense_weights, make_batch, make_trainer, per_sequence_data, rel_err
 from peft import LoraConfig, get_peft_model
 
-from trl_isopo.isopo import routes
-from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
+from trl_isopo.isopo import costs, precision
+from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
 U = {torch.bfloat16: 2.0**-9, torch.float16: 2.0**-12}
@@ -37,17 +41,23 @@ VARIANTS = {
 COEF_TOL = 1e-4
 
 
+def float32_throughout(dtype, device, force_half=False) -> bool:
+    """fp16 operands upcast for the statistics get a float32 final GEMM too (`weight_grad.reweighted_weight_grad`): no
+    half rounding anywhere on that path."""
+    return dtype == torch.float16 and not precision.keeps_half_operands(dtype, torch.device(device), force_half)
+
+
 @pytest.fixture(params=["upcast", "half"])
-def operands(request, monkeypatch):
-    monkeypatch.setattr(routes, "KEEP_HALF_OPERANDS", request.param == "half")
-    return request.param
+def operands(request):
+    return request.param == "half"  # ISOPOSettings.force_half_operands
 
 
 # ----------------------------------------------------------------------------------------- one layer, pure function
-def layer_oracle(X, G, mask, J, A, knobs, hist):
+def layer_oracle(X, G, mask, J, A, knobs, hist, n_step=None):
     """float64 coefficients (B,), weight gradient sum_i w_i V_i (d_out, d_in) and bias gradient sum_i w_i b_i (d_out,)
     of one layer with inputs X (B, L, d_in), output gradients G (B, L, d_out) (garbage at padding, dropped here),
-    Fisher sample J (valid flat positions) and EMA history `hist` {stat: mu} (c > 0) / {"ntk": mean eigenvalue}."""
+    Fisher sample J (valid flat positions) and EMA history `hist` {stat: mu} (c > 0) / {"ntk": mean eigenvalue};
+    n_step: the trainer's step normalization (`dense_weights`), None for the layer function alone."""
     pad = ~mask.unsqueeze(-1)
     X, G = X.double().masked_fill(pad, 0.0), G.double().masked_fill(pad, 0.0)
     V = torch.einsum("blo,bli->boi", G, X)
@@ -56,10 +66,11 @@ def layer_oracle(X, G, mask, J, A, knobs, hist):
         Vf = V.reshape(len(A), -1)
         K = Vf @ Vf.T
         lam = knobs["interacting_reg"] * hist["ntk"]
-        w = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype), A)
+        w = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype, device=K.device), A)
     else:
         mu = {k: hist.get(k, 1.0) for k in ("e", "f", "rho")}
-        w, _ = dense_weights(V, X, G, J, A, knobs["p"], knobs["q"], 0.0, knobs["reg"], mu if knobs["reg"] else None)
+        w, _ = dense_weights(V, X, G, J, A, knobs["p"], knobs["q"], 0.0, knobs["reg"], mu if knobs["reg"] else None,
+                             n_step=n_step)
     return w, torch.einsum("b,boi->oi", w, V), torch.einsum("b,blo->o", w, G)
 
 
@@ -75,7 +86,7 @@ def random_layer(d_in, d_out, seed, B=5, L=11):
     X = torch.randn(B, L, d_in, generator=g, dtype=torch.float64)
     G = torch.randn(B, L, d_out, generator=g, dtype=torch.float64) * 0.1
     A = torch.tensor([1.0, -0.5, 0.0, 2.0, -1.5])
-    return X, G, mask, A
+    return tuple(t.to(DEVICE) for t in (X, G, mask, A))
 
 
 def history(X, G, mask, J, knobs):
@@ -87,7 +98,7 @@ def history(X, G, mask, J, knobs):
     if not knobs["reg"]:
         return {}
     _, stats = dense_weights(V, X.double().masked_fill(pad, 0.0), G.double().masked_fill(pad, 0.0), J,
-                             torch.ones(len(V), dtype=torch.float64), -1.0, 0.0, 0.0, 0.0)
+                             torch.ones(len(V), dtype=torch.float64, device=V.device), -1.0, 0.0, 0.0, 0.0)
     return {k: 0.6 * float((stats[k] ** 2).mean()) for k in ("e", "f")}
 
 
@@ -101,8 +112,9 @@ def test_layer_grads_half_operands_match_float64_oracle(dtype, shape, variant, r
     X64, G64, mask, A = random_layer(d_in, d_out, seed=d_in * 100 + d_out)
     X, G = X64.to(dtype), G64.to(dtype)  # the layer's half inputs
     # "mat_chunked": a budget below V's size, so V is not kept and the final gradient is the row-scaled GEMM.
-    budget = 512 if route == "mat_chunked" else routes.DEFAULT_BUDGET_BYTES
-    ctx = ISOPOContext(ISOPOSettings(**knobs, route=route.split("_")[0], budget_bytes=budget, fisher_tokens=9))
+    budget = 512 if route == "mat_chunked" else costs.DEFAULT_BUDGET_BYTES
+    ctx = ISOPOBackward(ISOPOSettings(**knobs, route=route.split("_")[0], budget_bytes=budget, fisher_tokens=9,
+                                      force_half_operands=operands))
     mb = MicroBatch(mask=mask, advantages=A, seed=5)
     J = ctx.fisher_sample("layer", mb)  # the on-device sample the layer draws (deterministic per seed)
     J = J[mask.reshape(-1)[J]]  # its valid positions (9 of ~35: all of them)
@@ -119,7 +131,7 @@ def test_layer_grads_half_operands_match_float64_oracle(dtype, shape, variant, r
     # Gradient: float32 sums, plus without a kept V one rounding (<= u per element) of the scaled narrower operand
     # and, bf16 "upcast" (CPU), one of the result; 4u leaves room for cancellation between sequences of opposite sign
     # (measured <= 0.6u "half", <= 0.9u "upcast"). fp16 "upcast" keeps float32 throughout.
-    tol = 1e-5 if operands == "upcast" and dtype == torch.float16 else 4 * U[dtype]
+    tol = 1e-5 if float32_throughout(dtype, X.device, operands) else 4 * U[dtype]
     assert rel_err(gw.double(), gw_r) < tol
     assert rel_err(gb.double(), gb_r) < tol
     # The unrounded float64 inputs: the inputs' own rounding (u per element of X and G) dominates (measured ~1.3u).
@@ -132,26 +144,29 @@ def test_layer_grads_half_operands_match_float64_oracle(dtype, shape, variant, r
 def test_cpu_bf16_final_gemm_has_autograd_precision(shape):
     """On CPU the bf16 final GEMM rounds its result once to bf16, as autograd's own weight gradient of a bf16 layer
     does: with all coefficients 1 the layer gradient is within 1.5x autograd's error (float64 oracle), and it is not
-    a float32-output GEMM (whose error would be ~1e-7 of the same rounded operands)."""
+    a float32-output GEMM (whose error would be ~1e-7 of the same rounded operands). Where the device has that
+    float32-output GEMM (CUDA: the half-operand path) the final gradient is one: ~1e-7, far below autograd's."""
     d_in, d_out = shape
     X64, G64, mask, _ = random_layer(d_in, d_out, seed=11)
     pad = ~mask.unsqueeze(-1)
     X, G = X64.masked_fill(pad, 0.0).bfloat16(), G64.masked_fill(pad, 0.0).bfloat16()
-    ctx = ISOPOContext(ISOPOSettings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0))
+    ctx = ISOPOBackward(ISOPOSettings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0))
     ctx.weight_override = lambda name, adv: torch.ones_like(adv)
-    gw, _ = ctx.layer_grads("layer", X, G, MicroBatch(mask=mask, advantages=torch.ones(5)), False)
+    gw, _ = ctx.layer_grads("layer", X, G, MicroBatch(mask=mask, advantages=torch.ones(5, device=DEVICE)), False)
     want = torch.einsum("blo,bli->oi", G.double(), X.double())
     autograd = (G.reshape(-1, d_out).T @ X.reshape(-1, d_in)).double()  # what autograd computes for the layer
-    assert 1e-4 < rel_err(gw.double(), want) < 1.5 * rel_err(autograd, want) + 1e-6
+    if precision.keeps_half_operands(torch.bfloat16, X.device):
+        assert rel_err(gw.double(), want) < 1e-5 < rel_err(autograd, want)
+    else:
+        assert 1e-4 < rel_err(gw.double(), want) < 1.5 * rel_err(autograd, want) + 1e-6
 
 
-def test_half_final_gemm_cannot_overflow_fp16(monkeypatch):
+def test_half_final_gemm_cannot_overflow_fp16():
     """Coefficients of 1e6 (x an output gradient of ~1 overflows fp16's 65504): the scaled rows are divided by
     max|w| before the rounding to fp16 and the float32 result multiplied back, so the gradient stays finite."""
-    monkeypatch.setattr(routes, "KEEP_HALF_OPERANDS", True)
     X64, G64, mask, A = random_layer(40, 24, seed=3)  # G (24 wide) is the scaled operand
     X, G = X64.half(), (G64 * 10).half()
-    ctx = ISOPOContext(ISOPOSettings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0))
+    ctx = ISOPOBackward(ISOPOSettings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0, force_half_operands=True))
     ctx.weight_override = lambda name, adv: adv * 1e6
     gw, _ = ctx.layer_grads("layer", X, G, MicroBatch(mask=mask, advantages=A), False)
     pad = ~mask.unsqueeze(-1)
@@ -164,14 +179,14 @@ def test_half_final_gemm_cannot_overflow_fp16(monkeypatch):
 def test_matmul_f32_accumulates_in_float32():
     """A long bf16 dot product: float32 accumulation keeps ~1e-7; rounding the sum to bf16 would cost ~1e-3."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(3, 4096, generator=g).bfloat16()
-    b = torch.randn(4096, 5, generator=g).bfloat16()
+    a = torch.randn(3, 4096, generator=g).to(DEVICE, torch.bfloat16)
+    b = torch.randn(4096, 5, generator=g).to(DEVICE, torch.bfloat16)
     want = a.double() @ b.double()
-    got = routes.matmul_f32(a, b)
+    got = precision.matmul_f32(a, b)
     assert got.dtype == torch.float32 and rel_err(got.double(), want) < 1e-6
-    got3 = routes.matmul_f32(a.view(1, 3, 4096).expand(2, 3, 4096), b)  # (B, m, k) @ (k, n)
+    got3 = precision.matmul_f32(a.view(1, 3, 4096).expand(2, 3, 4096), b)  # (B, m, k) @ (k, n)
     assert got3.shape == (2, 3, 5) and rel_err(got3[1].double(), want) < 1e-6
-    got_b = routes.matmul_f32(a.unsqueeze(0), b.unsqueeze(0))  # bmm
+    got_b = precision.matmul_f32(a.unsqueeze(0), b.unsqueeze(0))  # bmm
     assert got_b.dtype == torch.float32 and rel_err(got_b[0].double(), want) < 1e-6
     assert rel_err((a @ b).double(), want) > 1e-4  # what the half GEMM alone returns
 
@@ -190,7 +205,8 @@ def lora(model):
     pytest.param((torch.float32, "autocast"), id="bf16-autocast"),
 ])
 def model_setup(request, tiny_tokenizer, tmp_path_factory):
-    """A half model (or a float32 one run under CPU bf16 autocast), and the float64 oracle data of the same weights."""
+    """A half model (or a float32 one run under bf16 autocast on the test device), and the float64 oracle data of the
+    same weights."""
     dtype, kind = request.param
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=1).to(dtype)
     if kind == "lora":
@@ -209,13 +225,14 @@ def model_setup(request, tiny_tokenizer, tmp_path_factory):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sample, route, operands):
     trainer, inputs, data, dtype, kind = model_setup
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     covered = trainer.isopo_coverage["covered"]
     knobs = VARIANTS[variant]
     A = inputs["advantages"]
     k = 0 if sample == "all" else 12  # the exact Fisher estimate, or an on-device sample of 12 of the 21 valid tokens
-    trainer.isopo_context.settings = ISOPOSettings(
-        **{**ctx.settings.__dict__, "r": 0.0, "interacting": False, **knobs, "route": route, "fisher_tokens": k}
+    trainer.isopo_backward.settings = ISOPOSettings(
+        **{**ctx.settings.__dict__, "r": 0.0, "interacting": False, **knobs, "route": route, "fisher_tokens": k,
+           "force_half_operands": operands}
     )
     mask = data["mask"]
     flat = mask.reshape(-1)
@@ -243,7 +260,7 @@ def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sa
     ctx.layer_grads = record
     trainer.model.zero_grad(set_to_none=True)
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
+        with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=kind == "autocast"):
             with trainer.isopo_active():
                 trainer.compute_loss(trainer.model, inputs).backward()
     finally:
@@ -262,9 +279,9 @@ def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sa
         assert g is not None and s["w"].dtype == s["gw"].dtype == torch.float32, n
         assert s["x"].dtype == (torch.bfloat16 if kind == "autocast" else dtype), n
         # (1) The layer's own half inputs in float64: only the computation differs (see the layer test's bounds).
-        w_r, gw_r, _ = layer_oracle(s["x"], s["g"], mask, s["J"], A, knobs, hist[n])
+        w_r, gw_r, _ = layer_oracle(s["x"], s["g"], mask, s["J"], A, knobs, hist[n], n_step=len(A))
         assert rel_err(s["w"].double(), w_r) < COEF_TOL, n
-        exact = operands == "upcast" and s["x"].dtype == torch.float16  # float32 throughout (see the layer test)
+        exact = float32_throughout(s["x"].dtype, s["x"].device, operands)  # no half rounding (see the layer test)
         assert rel_err(s["gw"].double(), gw_r) < (1e-5 if exact else 4 * U[s["x"].dtype]), n
         # (2) The float64 model with the same weights: the half forward's rounding of X and G dominates. Measured
         # maxima over these cases, coefficients / gradient (the plain REINFORCE gradient's own error in brackets):
@@ -277,10 +294,10 @@ def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sa
             Vf = V.reshape(len(A), -1)
             K = Vf @ Vf.T
             lam = knobs["interacting_reg"] * hist[n]["ntk"]
-            w = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype), A.double())
+            w = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype, device=K.device), A.double())
         else:
             mu = {"e": 1.0, "f": 1.0, "rho": 1.0, **hist[n]}
             w, _ = dense_weights(V, data["X"][n], data["G"][n], s["J"], A, knobs["p"], knobs["q"], 0.0, knobs["reg"],
-                                 mu if knobs["reg"] else None)
+                                 mu if knobs["reg"] else None, n_step=len(A))
         assert rel_err(s["w"].double(), w) < tol, n
         assert rel_err(g.double(), torch.einsum("b,boi->oi", w, V)) < tol, n

@@ -1,16 +1,18 @@
 """RowScaledChunkedLogProb against TRL's ChunkedLogProbFunction and a dense float64 autograd reference.
 
 grad_hidden must equal TRL's; grad_weight / grad_bias must equal TRL's with the incoming per-token grads multiplied
-by row_scale (the same thing computed another way) and the dense reference with the per-row loss scaled.
+by row_scale (the same thing computed another way) and the dense reference with the per-row loss scaled. Tensors
+live on the test device (`TRL_ISOPO_TEST_DEVICE`, default CPU): on CUDA the backward folds with TRL's Triton kernel.
 """
 
 import pytest
 import torch
 import trl.kernels.chunked_logprob as trl_kernel
+from isopo_oracle import DEVICE
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-import trl_isopo.isopo.fused_head as fused_head
-from trl_isopo.isopo.fused_head import RowScaledChunkedLogProb
+import trl_isopo.isopo.head.kernel as fused_head
+from trl_isopo.isopo.head.kernel import RowScaledChunkedLogProb
 from trl_isopo.isopo.other_params import RowScale
 
 torch.set_num_threads(1)
@@ -30,11 +32,11 @@ def make_inputs(dtype, with_bias, seed=0):
     scale = torch.randn(N, generator=g, dtype=torch.float32)
     scale[::5] = 0.0
     scale[1] = -2.0
-    return hidden, weight, bias, targets, scale
+    return tuple(t.to(DEVICE) if t is not None else None for t in (hidden, weight, bias, targets, scale))
 
 
 def randn(n, seed):
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def leaves(hidden, weight, bias):
@@ -99,7 +101,8 @@ CASES = [  # (temperature, chunk_size, softcap, logit_scale)
 def test_matches_trl_and_dense(dtype, with_bias, cfg, entropy_grad):
     hidden, weight, bias, targets, scale = make_inputs(dtype, with_bias)
     g = torch.Generator().manual_seed(1)
-    grads = (torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy_grad else None)
+    grads = tuple(t.to(DEVICE) if t is not None else None
+                  for t in (torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy_grad else None))
 
     mine, (gh, gw, gb) = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, scale)
     trl, (th, _, _) = run(ChunkedLogProbFunction, hidden, weight, bias, targets, cfg, grads)
@@ -124,8 +127,9 @@ def test_matches_trl_and_dense(dtype, with_bias, cfg, entropy_grad):
 def test_zero_and_unit_scale_and_unused_entropy():
     hidden, weight, bias, targets, _ = make_inputs(torch.float32, True, seed=2)
     cfg, grads = CASES[1], (randn(N, 101), None)  # entropy computed but unused: grad_entropy arrives as None
-    _, (gh0, gw0, gb0) = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, torch.zeros(N))
-    _, (gh1, gw1, gb1) = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, torch.ones(N))
+    zeros, ones = torch.zeros(N, device=DEVICE), torch.ones(N, device=DEVICE)
+    _, (gh0, gw0, gb0) = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, zeros)
+    _, (gh1, gw1, gb1) = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, ones)
     _, (th, tw, tb) = run(ChunkedLogProbFunction, hidden, weight, bias, targets, cfg, grads)
     assert torch.equal(gw0, torch.zeros_like(gw0)) and torch.equal(gb0, torch.zeros_like(gb0))
     close(gh0, th, 1e-6)
@@ -160,10 +164,10 @@ def test_token_chunking(monkeypatch):
 
 
 def test_autocast_bf16():
-    """Under CPU bf16 autocast the tile GEMMs run in bf16 as in TRL: forward and grad_hidden match TRL's."""
+    """Under bf16 autocast the tile GEMMs run in bf16 as in TRL: forward and grad_hidden match TRL's."""
     hidden, weight, bias, targets, scale = make_inputs(torch.float32, True, seed=5)
     cfg, grads = CASES[0], (randn(N, 104), randn(N, 105))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
         mine, (gh, gw, gb) = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, scale)
         trl, (th, _, _) = run(ChunkedLogProbFunction, hidden, weight, bias, targets, cfg, grads)
         _, (_, tw, tb) = run(ChunkedLogProbFunction, hidden, weight, bias, targets, cfg, scaled(grads, scale))
@@ -212,7 +216,7 @@ def test_equals_two_call_approach():
 def test_row_scale_shape_checked():
     hidden, weight, bias, targets, _ = make_inputs(torch.float32, False)
     with pytest.raises(ValueError, match="row_scale"):
-        RowScaledChunkedLogProb.apply(hidden, weight, bias, targets, torch.ones(N + 1), *CASES[0], ())
+        RowScaledChunkedLogProb.apply(hidden, weight, bias, targets, torch.ones(N + 1, device=DEVICE), *CASES[0], ())
 
 
 @pytest.mark.parametrize("chunk_size", [7, 64])  # tied ids in different tiles / in one tile
@@ -245,7 +249,7 @@ def test_entropy_only_loss(cfg):
     close(gh, th, 1e-6)
     close(gw, tw, 2e-6)
     close(gb, tb, 2e-6)
-    _, rh, rw, rb = dense_reference(hidden, weight, bias, targets, cfg, (torch.zeros(N), ge), scale)
+    _, rh, rw, rb = dense_reference(hidden, weight, bias, targets, cfg, (torch.zeros(N, device=DEVICE), ge), scale)
     close(gh, rh, 2e-5)
     close(gw, rw, 2e-5)
     close(gb, rb, 2e-5)
@@ -259,7 +263,7 @@ def test_bitwise_trl_kernel(dtype, cfg):
     hidden, weight, bias, targets, scale = make_inputs(dtype, True, seed=10)
     grads = (randn(N, 108), randn(N, 109))
     trl, trl_grads = run(ChunkedLogProbFunction, hidden, weight, bias, targets, cfg, grads)
-    for s in (torch.ones(N), scale):
+    for s in (torch.ones(N, device=DEVICE), scale):
         mine, mine_grads = run(RowScaledChunkedLogProb, hidden, weight, bias, targets, cfg, grads, s)
         for a, b in zip(mine, trl):
             assert torch.equal(a, b)
@@ -284,6 +288,8 @@ def test_inplace_fold_is_trl_fold_bit_for_bit(dtype, softcap, grads):
     entropy = torch.rand(n, generator=g) * 3
     gl = torch.randn(n, generator=g) if grads != "entropy" else None
     ge = torch.randn(n, generator=g) if grads != "logprobs" else None
+    tile, targets, log_z, entropy, gl, ge = (t.to(DEVICE) if t is not None else None
+                                             for t in (tile, targets, log_z, entropy, gl, ge))
     kw = dict(logit_scale=1.3, softcap=softcap or 1.0, inv_t=1 / 0.7, HAS_SOFTCAP=softcap is not None,
               HAS_LOGPROB_GRAD=gl is not None, HAS_ENTROPY_GRAD=ge is not None, BLOCK_SIZE=1024)
     a, b = tile.clone(), tile.clone()

@@ -11,7 +11,8 @@ from isopo_oracle import dense_weights, head_data, make_batch, make_trainer, per
 
 from trl_isopo import ISOPOConfig, ISOPOTrainer
 from trl_isopo.isopo.head import scored_rows
-from trl_isopo.isopo.linear import ISOPOSettings, MicroBatch
+from trl_isopo.isopo.isopo_backward import ISOPOSettings
+from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
 # The kernel folds each float64 logits tile in float32 and accumulates the head gradient in float32 (TRL's numerics),
@@ -54,7 +55,7 @@ SETTINGS = [
 
 
 def run_head(trainer, inputs, settings, ema=None, sample=None):
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **settings})
     ctx.ema.ema = dict(ema or {})
     try:
@@ -81,13 +82,13 @@ def test_head_matches_oracle(setup, knobs, sampled, route):
     B, C = mask.shape
     if sampled:  # a fixed sample of 5 scored positions, as flat indices into (B, C)
         valid = mask.reshape(-1).nonzero().squeeze(1)
-        J = valid[torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(4))[:5]]
+        J = valid[torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(4))[:5].to(valid.device)]
     else:
         J = mask.reshape(-1).nonzero().squeeze(1)
     Gm = G * mask.unsqueeze(-1)
     _, stats = dense_weights(V, X, Gm, J, A, -1.0, 0.0, 0.0, 0.0)
     mu = {k: float((v**2).mean()) * 0.7 for k, v in stats.items()}
-    want_w, _ = dense_weights(V, X, Gm, J, A, knobs["p"], knobs["q"], knobs["r"], knobs["reg"], mu)
+    want_w, _ = dense_weights(V, X, Gm, J, A, knobs["p"], knobs["q"], knobs["r"], knobs["reg"], mu, n_step=len(A))
     n_tok = float(mask.sum())  # stored EMA values are in the normalizer's units (see test_isopo_oracle)
     units = {"e": n_tok**2, "f": n_tok**2, "rho": 1.0}
     ema = {f"lm_head/{k}": v * units[k] for k, v in mu.items()}
@@ -110,14 +111,14 @@ def test_head_interacting_matches_dense_solve(setup, route):
     n_tok = float(mask.sum())
     got, _ = run_head(trainer, inputs, dict(interacting=True, interacting_reg=0.7, route=route, p=-1.0, q=0.0, r=0.0),
                       {"lm_head/ntk": lam / 0.7 * n_tok**2})
-    alpha = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype), A)
+    alpha = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype, device=K.device), A)
     assert rel_err(got["lm_head.weight"], torch.einsum("b,boi->oi", alpha, V)) < TOL
 
 
 def test_head_keeps_ema_and_metrics(setup):
     """The head's statistics enter the EMA under its module name and its record joins the step metrics."""
     trainer, inputs, *_ = setup
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "p": -1.0, "q": 0.0, "r": 0.0, "reg": 1.0,
                                     "interacting": False, "fisher_tokens": 0, "route": "auto"})
     try:
@@ -161,20 +162,18 @@ def test_lora_head_is_rejected(tiny_tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("keep_half", [False, True], ids=["upcast", "half"])
-def test_bf16_head_close_to_float64_oracle(tiny_tokenizer, tmp_path, setup, monkeypatch, keep_half):
+def test_bf16_head_close_to_float64_oracle(tiny_tokenizer, tmp_path, setup, keep_half):
     """A bf16 copy of the same model: the ISOPO head gradient (p = -1, c = 0, exact Fisher estimate) is within bf16's
     error of the float64 oracle (measured 6.4e-3; bound 5e-2; the advantage-weighted gradient is 1.7 away), on the CPU
-    path (statistics upcast) and the GPU's half-operand path (`routes.KEEP_HALF_OPERANDS`)."""
-    from trl_isopo.isopo import routes
-
-    monkeypatch.setattr(routes, "KEEP_HALF_OPERANDS", keep_half)
+    path (statistics upcast) and the GPU's half-operand path (`ISOPOSettings.force_half_operands`)."""
     _, inputs, V, X, G, mask = setup
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=2).to(torch.bfloat16)  # setup's weights
     trainer = make_trainer(model, tiny_tokenizer, tmp_path, isopo_lm_head=True)
     J = mask.reshape(-1).nonzero().squeeze(1)
     A = inputs["advantages"]
-    want_w, _ = dense_weights(V, X, G * mask.unsqueeze(-1), J, A, -1.0, 0.0, 0.0, 0.0)
-    got, _ = run_head(trainer, inputs, dict(p=-1.0, q=0.0, r=0.0, reg=0.0, fisher_tokens=0, interacting=False))
+    want_w, _ = dense_weights(V, X, G * mask.unsqueeze(-1), J, A, -1.0, 0.0, 0.0, 0.0, n_step=len(A))
+    got, _ = run_head(trainer, inputs, dict(p=-1.0, q=0.0, r=0.0, reg=0.0, fisher_tokens=0, interacting=False,
+                                                 force_half_operands=keep_half))
     gw = got["lm_head.weight"]
     assert gw.dtype == torch.bfloat16 and torch.isfinite(gw).all()
     want = torch.einsum("b,boi->oi", want_w, V)
@@ -198,4 +197,4 @@ def test_train_and_resume_with_isopo_head(tiny_model_dir, tiny_tokenizer, tmp_pa
     assert any(k.startswith("lm_head/") for k in state["ema"]["ema"])
     assert any("isopo/fisher_norm" in h for h in straight.state.log_history)
     resumed = resume_and_compare(tiny_model_dir, tiny_tokenizer, config(tmp_path / "b", **common), ckpt, straight)
-    assert resumed.isopo_context.ema.ema == straight.isopo_context.ema.ema
+    assert resumed.isopo_backward.ema.ema == straight.isopo_backward.ema.ema

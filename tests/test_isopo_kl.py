@@ -14,8 +14,7 @@ import torch
 from isopo_oracle import make_batch, make_trainer, rel_err, surrogate_logps
 from peft import LoraConfig
 
-from trl_isopo.isopo.linear import ISOPOSettings
-from trl_isopo.isopo.plain import plain_backward_active
+from trl_isopo.isopo.isopo_backward import ISOPOSettings
 from trl_isopo.tiny import build_tiny_causal_lm
 
 BETA = 0.3
@@ -28,7 +27,7 @@ def isopo_grads(trainer, inputs):
     with trainer.isopo_active():
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
-    assert not trainer._isopo_kl_hooks and not plain_backward_active()
+    assert not trainer._surrogate_kl.pending and not trainer.isopo_backward.plain_active
     return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
@@ -72,7 +71,7 @@ def test_kl_gradient_is_added_unweighted(tiny_tokenizer, tmp_path, knobs, other,
     trainer = make_trainer(
         model, tiny_tokenizer, tmp_path, isopo_other_params=other, use_bias_correction_kl=bias_correction
     )
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "fisher_tokens": 0, **knobs})
     inputs = with_reference(trainer, make_batch(tiny_tokenizer))
     want_kl, kl_value = kl_oracle(trainer, inputs, BETA, bias_correction)
@@ -106,7 +105,7 @@ def test_kl_with_lora_and_checkpointing(tiny_tokenizer, tmp_path, checkpointing)
     )
     if checkpointing:
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "fisher_tokens": 0, "p": -1.0, "reg": 0.0})
     inputs = with_reference(trainer, make_batch(tiny_tokenizer, seed=2), seed=1)
     # lora_B = 0 makes lora_A's KL gradient 0 as well: move lora_B so that every adapter matrix has one

@@ -9,7 +9,7 @@ import torch
 from isopo_oracle import dense_weights, rel_err
 
 from trl_isopo.isopo.layer import isopo_linear_grad
-from trl_isopo.isopo.linear import ISOPOSettings
+from trl_isopo.isopo.isopo_backward import ISOPOSettings
 
 TOL = 1e-10
 SETTINGS = [
@@ -109,3 +109,30 @@ def test_coefficients_argument_gives_plain_autograd():
     out = isopo_linear_grad(X, G, mask, A, ISOPOSettings(p=-1.0, reg=0.0, fisher_tokens=7), sample=sample,
                             coefficients=A)
     assert rel_err(out.grad_weight, W.grad) < TOL
+
+
+@pytest.mark.parametrize(
+    "knobs,degree",
+    [
+        pytest.param(dict(p=-1.0, reg=0.0), -1.0, id="p=-1,c=0"),
+        pytest.param(dict(p=0.0, q=-1.0, r=-2.0, reg=0.0), -1.0, id="fig6"),
+        pytest.param(dict(p=-0.5, q=0.0, reg=0.0), -0.5, id="p=-0.5,c=0"),
+        pytest.param(dict(p=0.0, q=0.0, reg=0.0), 0.0, id="plain"),
+        pytest.param(dict(p=-1.0, reg=1.0), 0.0, id="p=-1,c=1"),
+        pytest.param(dict(p=-1.0, interacting=True, interacting_reg=1.0), 0.0, id="interacting"),
+    ],
+)
+def test_step_normalization_is_n_to_the_p_plus_q_for_c0_only(knobs, degree):
+    """step_sequences = N multiplies the coefficients by N^(p+q) for c = 0 (the mean over the step's sequences for
+    the named settings) and leaves c > 0, the interacting variant and p = q = 0 alone (their update already carries
+    the loss normalization); the dense oracle with n_step agrees."""
+    X, G, mask, A, sample = layer_case()
+    settings = ISOPOSettings(**knobs, fisher_tokens=7)
+    base = isopo_linear_grad(X, G, mask, A, settings, sample=sample)
+    scaled = isopo_linear_grad(X, G, mask, A, settings, sample=sample, step_sequences=12.0)
+    assert rel_err(scaled.grad_weight, 12.0**degree * base.grad_weight) < TOL
+    if not knobs.get("interacting") and knobs["reg"] == 0.0:
+        V, _ = explicit(X, G, mask)
+        w, _ = dense_weights(V, X, G * mask.unsqueeze(-1), sample, A, knobs["p"], knobs.get("q", 0.0), knobs.get("r", 0.0), 0.0,
+                             n_step=12)
+        assert rel_err(scaled.grad_weight, torch.einsum("b,boi->oi", w, V)) < TOL

@@ -11,8 +11,10 @@ from trl_isopo.isopo.reweight import (
     isopo_sequence_scales,
     regularized_magnitude,
 )
-from trl_isopo.isopo import routes
-from trl_isopo.isopo.routes import reweighted_weight_grad, route_costs, sequence_statistics
+from trl_isopo.isopo import costs, statistics
+from trl_isopo.isopo.costs import route_costs
+from trl_isopo.isopo.statistics import sequence_statistics
+from trl_isopo.isopo.weight_grad import reweighted_weight_grad
 
 
 def random_layer(B, L, d_in, d_out, seed, single_token_row=True):
@@ -43,10 +45,10 @@ def explicit(X, G, sample):
 @pytest.mark.parametrize("tiny_blocks", [False, True])
 def test_routes_match_explicit(shape, route, budget, tiny_blocks, monkeypatch):
     if tiny_blocks:  # several triangular Gram row blocks and blocked V V^T sums, with remainders, at test sizes
-        monkeypatch.setattr(routes, "TRI_ROWS", 2)
-        monkeypatch.setattr(routes, "ROW_GRAM_BLOCK", 4)
+        monkeypatch.setattr(statistics, "TRI_ROWS", 2)
+        monkeypatch.setattr(statistics, "ROW_GRAM_BLOCK", 4)
     B, L, d_in, d_out = shape
-    S = -(-5 // routes.SAMPLE_MULTIPLE) * routes.SAMPLE_MULTIPLE  # the 5-token sample, zero-padded
+    S = -(-5 // costs.SAMPLE_MULTIPLE) * costs.SAMPLE_MULTIPLE  # the 5-token sample, zero-padded
     if budget == "mid":
         budget = B * (d_in + S) * 8 * (d_in + 1)  # `_mat`'s bytes per output row of V, times d_in + 1 rows
     X, G, mask = random_layer(B, L, d_in, d_out, seed=sum(shape))
@@ -74,7 +76,7 @@ def test_routes_match_explicit(shape, route, budget, tiny_blocks, monkeypatch):
 def test_routes_need_only_one_masked_operand(masked, route, budget):
     """The trainer zeroes padding in one operand only; the other carries finite garbage there (never NaN: autograd's
     own G^T X would be NaN too). Reused scratch storage (a buffer from an earlier, larger layer) changes nothing."""
-    from trl_isopo.isopo.routes import Scratch
+    from trl_isopo.isopo.scratch import Scratch
 
     B, L, d_in, d_out = 4, 9, 6, 10
     X, G, mask = random_layer(B, L, d_in, d_out, seed=3)
@@ -122,23 +124,24 @@ def test_route_costs_count_the_gemms_layer_grads_runs(variant, route, shape):
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+    from trl_isopo.isopo.micro_batch import MicroBatch
 
     d_in, d_out, bias = shape
     B, L, k = 8, 64, 50
     settings = {"p": ISOPOSettings(p=-1.0), "q": ISOPOSettings(p=0.0, q=-1.0),
                 "pqr": ISOPOSettings(p=-1.0, q=-0.5, r=-0.5), "interacting": ISOPOSettings(interacting=True)}[variant]
-    S = routes.gathered_rows(k) if settings.needs_fisher else 0  # the sample as gathered (zero-padded)
-    budget = B * d_out * (d_in + S) * 4 - 1 if route == "mat_chunked" else routes.DEFAULT_BUDGET_BYTES  # V won't fit
+    S = costs.gathered_rows(k) if settings.needs_fisher else 0  # the sample as gathered (zero-padded)
+    budget = B * d_out * (d_in + S) * 4 - 1 if route == "mat_chunked" else costs.DEFAULT_BUDGET_BYTES  # V won't fit
     settings = replace(settings, fisher_tokens=k, route=route.split("_")[0], budget_bytes=budget)
     g = torch.Generator().manual_seed(d_in + d_out)
     mask = torch.rand(B, L, generator=g) > 0.1
     x, gr = torch.randn(B, L, d_in, generator=g), torch.randn(B, L, d_out, generator=g)
-    ctx = ISOPOContext(settings)
+    ctx = ISOPOBackward(settings)
     with FlopCounterMode(display=False) as counter:
         ctx.layer_grads("layer", x, gr, MicroBatch(mask=mask, advantages=torch.randn(B, generator=g)), bias)
     counted = counter.get_total_flops() / 2 - B * L * d_in * d_out
-    assert counted == routes.gemm_macs(B, L, d_in, d_out, S, settings.needs_fisher, settings.interacting, budget,
+    assert counted == costs.gemm_macs(B, L, d_in, d_out, S, settings.needs_fisher, settings.interacting, budget,
                                        settings.route, euclidean=settings.needs_euclidean, bias=bias)
     # Closed forms, the bias products aside: the Fisher contraction and the final sum over sequences (V kept), or
     # the final sum as a second weight-gradient GEMM (V chunked); the Fisher numerator's token Gram blocks ("gram").
@@ -258,18 +261,46 @@ def test_ema_all_reduce_averages_over_processes():
     ema = EMAStatistics(0.9)
     ema.accumulate("l", "e", torch.tensor([1.0, 3.0]))  # this rank: sum 4 over 2
 
-    def fake_all_reduce(t):  # the other rank holds sum 10 over 3 for the same key
-        return t + torch.tensor([10.0, 1.0, 3.0], dtype=torch.float64)
+    calls = []
+
+    def fake_all_reduce(t):  # the other rank covers the same keys and holds sum 10 over 3 for this one
+        calls.append(t.numel())
+        return 2 * t if len(calls) == 1 else t + torch.tensor([10.0, 3.0], dtype=torch.float64)
 
     ema.end_step(fake_all_reduce, world_size=2)
     assert ema.ema["l/e"] == pytest.approx(14.0 / 5.0)
+    assert calls == [3, 2]  # the fixed-size key check, then the sums and counts
+
+
+@pytest.mark.parametrize("other", [["l/e"], ["l/e", "l/f"], ["m/e"]], ids=["fewer", "more", "renamed"])
+def test_ema_key_mismatch_across_processes_raises_before_the_sums_are_reduced(other):
+    """A rank covering other layers must fail on the fixed-size probe: reducing sums of different lengths would hang
+    a real collective first."""
+    ema = EMAStatistics(0.9)
+    ema.accumulate("l", "e", torch.tensor([1.0]))
+    ema.accumulate("m", "f", torch.tensor([2.0]))
+    peer = EMAStatistics(0.9)
+    for key in other:
+        layer, stat = key.split("/")
+        peer.accumulate(layer, stat, torch.tensor([1.0]))
+    peer_probe = []
+    peer.end_step(lambda t: peer_probe.append(t.clone()) or (2 * t if len(peer_probe) == 1 else 2 * t), world_size=2)
+    calls = []
+
+    def fake_all_reduce(t):
+        calls.append(t.numel())
+        return t + peer_probe[0]
+
+    with pytest.raises(RuntimeError, match="differ in layers"):
+        ema.end_step(fake_all_reduce, world_size=2)
+    assert calls == [3]
 
 
 def test_kernel_of_materialized_gradients_is_accurate_in_float32():
     """K = V V^T over d_in * d_out ~ millions of entries: the blocked sum keeps float32 K close to float64 (one long
     GEMM reduction measured 5e-4 relative error at 896 x 4864)."""
     Vf = torch.randn(4, 3_000_000, generator=torch.Generator().manual_seed(0))
-    K = routes._row_gram(Vf)
+    K = statistics.row_gram(Vf)
     ref = Vf.double() @ Vf.double().T
     assert ((K.double() - ref).abs().max() / ref.abs().max()).item() < 3e-7  # measured 7.5e-8 at 896 x 4864
 
@@ -279,7 +310,8 @@ def test_step_metrics_match_dense_statistics(variant):
     """The per-step metrics (reduced once per step from per-layer-call records) against dense per-sequence V_i:
     two layers x two micro-batches of different sizes, a sequence with a zero layer gradient, a zero advantage and
     a forced non-finite coefficient. p alone does not compute e (nor report euclidean_norm)."""
-    from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+    from trl_isopo.isopo.micro_batch import MicroBatch
 
     interacting = variant == "interacting"
     knobs = {
@@ -288,7 +320,7 @@ def test_step_metrics_match_dense_statistics(variant):
         "interacting": dict(interacting=True, interacting_reg=0.7),
     }[variant]
     q, r = knobs.get("q", 0.0), knobs.get("r", 0.0)
-    ctx = ISOPOContext(ISOPOSettings(**knobs))
+    ctx = ISOPOBackward(ISOPOSettings(**knobs))
     mu = {"e": 2.0, "f": 0.5, "rho": 0.3, "ntk": 1.5}
     expected = {
         k: [] for k in ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "scale_spread", "ntk_lambda")
@@ -301,7 +333,7 @@ def test_step_metrics_match_dense_statistics(variant):
         A = torch.tensor([1.0, -0.5, 0.0, 2.0][:B], dtype=torch.float64)
         valid = mask.reshape(-1).nonzero().squeeze(1)
         sample = valid[torch.randperm(valid.numel(), generator=torch.Generator().manual_seed(call))[:7]]
-        ctx.sample_override = {name: sample}
+        ctx.sampler.override = {name: sample}
         ctx.ema.ema = {f"{name}/{k}": v for k, v in mu.items()}
         force_inf = call == 2
         ctx.weight_override = (lambda n, a: torch.where(torch.arange(a.numel()) == 0, torch.inf, a)) if force_inf else None
@@ -363,6 +395,6 @@ def test_statistics_without_euclidean_norm(route):
     with_e = route_costs(8, 256, 896, 4864, 256, fisher=True, ntk=False)
     without = route_costs(8, 256, 896, 4864, 256, fisher=True, ntk=False, euclidean=False)
     dd = 896 + 4864
-    assert with_e.gram - without.gram == 8 * routes._tri_work(256, routes.TRI_ROWS) * dd
+    assert with_e.gram - without.gram == 8 * costs.tri_work(256, costs.TRI_ROWS) * dd
     assert without.gram == 8 * 256 * 256 * dd  # the Fisher numerator alone
-    assert with_e.mat - without.mat == (1 + routes.MAT_MACS_PER_FLOAT) * 8 * 896 * 4864
+    assert with_e.mat - without.mat == (1 + costs.MAT_MACS_PER_FLOAT) * 8 * 896 * 4864

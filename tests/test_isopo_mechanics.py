@@ -5,7 +5,7 @@ import torch
 from isopo_oracle import make_batch, make_trainer, rel_err, surrogate_logps
 from peft import LoraConfig
 
-from trl_isopo.isopo.linear import ISOPOSettings
+from trl_isopo.isopo.isopo_backward import ISOPOSettings
 from trl_isopo.tiny import build_tiny_causal_lm
 
 
@@ -19,7 +19,7 @@ def grads(trainer):
 
 
 def set_settings(trainer, **kw):
-    trainer.isopo_context.settings = ISOPOSettings(**{**trainer.isopo_context.settings.__dict__, **kw})
+    trainer.isopo_backward.settings = ISOPOSettings(**{**trainer.isopo_backward.settings.__dict__, **kw})
 
 
 def lora_config():
@@ -51,11 +51,11 @@ def test_unit_weights_equal_plain_advantage_weighted_autograd(tiny_tokenizer, tm
     want = grads(trainer)
     # ISOPO with every per-sequence coefficient forced to A_i (i.e. all ISOPO weights 1).
     trainer.model.zero_grad(set_to_none=True)
-    trainer.isopo_context.weight_override = lambda name, adv: adv
+    trainer.isopo_backward.weight_override = lambda name, adv: adv
     try:
         isopo_backward(trainer, inputs)
     finally:
-        trainer.isopo_context.weight_override = None
+        trainer.isopo_backward.weight_override = None
     got = grads(trainer)
     assert set(got) == set(want) and len(got) > 0
     for n in want:
@@ -82,15 +82,16 @@ def test_gradient_accumulation_sums_and_c0_scale_invariance(tiny_tokenizer, tmp_
     accumulated = grads(trainer)
     for n in accumulated:
         assert rel_err(accumulated[n], separate[0][n] + separate[1][n]) < 1e-12, n
-    # c = 0: the covered-layer gradients do not depend on the surrogate's scale (GA=2 halves the loss).
+    # c = 0: a step of GA=2 micro-batches is a mean over twice the sequences (docs/isopo.md "Batch semantics"), so one
+    # micro-batch's share halves, for the covered layers exactly as for the ordinary (advantage-weighted) gradients
+    # of the other parameters; the coefficients themselves do not see the surrogate's scale (no absolute guards: the
+    # reference's 1 / (R + 1e-8) made this 5e-4 for r = -2 on this tiny model).
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.zero_grad(set_to_none=True)
     isopo_backward(trainer, mb1)
     unscaled = grads(trainer)
     for n in covered:
-        # exact: no absolute guards (the reference's 1 / (R + 1e-8) made this 5e-4 for r = -2 on this tiny model)
-        assert rel_err(unscaled[n], separate[0][n]) < 1e-10, n
-    # ...while the ordinary (advantage-weighted) gradients of the other parameters halve, as GRPO's would.
+        assert rel_err(unscaled[n], 2 * separate[0][n]) < 1e-10, n
     emb = "model.embed_tokens.weight"
     assert rel_err(unscaled[emb], 2 * separate[0][emb]) < 1e-12
 
@@ -102,7 +103,7 @@ def test_regularized_setting_keeps_coefficients_and_scales_like_reinforce(tiny_t
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=5)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path)
     set_settings(trainer, p=-1.0, reg=1.0, fisher_tokens=0)
-    trainer.isopo_context.ema.ema = {f"{n}/f": 1.0 for n in trainer.isopo_coverage["covered"]}  # R ~ 1: unnormalized
+    trainer.isopo_backward.ema.ema = {f"{n}/f": 1.0 for n in trainer.isopo_coverage["covered"]}  # R ~ 1: unnormalized
     mb = make_batch(tiny_tokenizer, seed=1)
     out = []
     for ga in (1, 2):
@@ -136,7 +137,8 @@ def test_bf16_autocast_runs_and_stays_close(tiny_tokenizer, tmp_path):
 def test_scale_invariance_is_exact_away_from_eps(knobs):
     """c = 0: scaling the output gradients G by any factor leaves sum_i w_i V_i unchanged (pure functions)."""
     from trl_isopo.isopo.reweight import fisher_norm, isopo_sequence_scales, relative_overlap
-    from trl_isopo.isopo.routes import reweighted_weight_grad, sequence_statistics
+    from trl_isopo.isopo.statistics import sequence_statistics
+    from trl_isopo.isopo.weight_grad import reweighted_weight_grad
 
     p, q, r = knobs
     g = torch.Generator().manual_seed(0)
@@ -161,7 +163,7 @@ def test_statistics_identical_with_and_without_checkpointing(tiny_tokenizer, tmp
         model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=8)
         trainer = make_trainer(model, tiny_tokenizer, tmp_path / mode)
         set_settings(trainer, p=-1.0, q=-1.0, r=0.0, reg=1.0, fisher_tokens=9)
-        trainer.isopo_context.ema.ema = {
+        trainer.isopo_backward.ema.ema = {
             f"{n}/{k}": 1e-5 for n in trainer.isopo_coverage["covered"] for k in ("e", "f")
         }
         if mode != "off":
@@ -180,11 +182,11 @@ def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp
     distinct valid positions, fresh per layer, reproducible per seed and independent of the global RNG. (Updated
     with the on-device sampler: when k >= N the sample is padded with padding positions, which add exactly 0; for
     k <= 0 or k >= B*L it is every position.)"""
-    from trl_isopo.isopo.linear import MicroBatch
+    from trl_isopo.isopo.micro_batch import MicroBatch
 
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=1)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path)
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     set_settings(trainer, fisher_tokens=6)
     mask = torch.zeros(3, 5, dtype=torch.bool)
     mask[0, 2:] = mask[1, :] = mask[2, 4] = True
@@ -212,7 +214,7 @@ def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp
 def test_fisher_sample_is_uniform_over_valid_positions():
     """The k smallest of i.i.d. keys (padding keyed +inf) is a uniform k-subset of the valid positions: every valid
     position is included with probability k / N, every pair with k (k - 1) / (N (N - 1))."""
-    from trl_isopo.isopo.linear import fisher_token_sample
+    from trl_isopo.isopo.sampling import fisher_token_sample
 
     mask = torch.zeros(3, 4, dtype=torch.bool)
     mask[0, 1:] = mask[1, :2] = mask[2, 3] = True  # N = 6 valid of 12
@@ -257,10 +259,10 @@ def test_lora_default_init_zero_lora_B(tiny_tokenizer, tmp_path):
             elif not interacting:
                 w, _ = dense_weights(data["V"][n], data["X"][n], data["G"][n], valid, inputs["advantages"], -1.0, 0, 0, 1.0)
                 assert rel_err(g, torch.einsum("b,boi->oi", w, data["V"][n])) < 1e-10, n
-        trainer.isopo_context.ema.end_step()
-        assert not any("lora_A" in k for k in trainer.isopo_context.ema.ema)
-        assert any("lora_B" in k for k in trainer.isopo_context.ema.ema)
-        trainer.isopo_context.ema.ema = {}
+        trainer.isopo_backward.ema.end_step()
+        assert not any("lora_A" in k for k in trainer.isopo_backward.ema.ema)
+        assert any("lora_B" in k for k in trainer.isopo_backward.ema.ema)
+        trainer.isopo_backward.ema.ema = {}
 
 
 def test_masked_input_cache_never_serves_a_freed_input():
@@ -268,9 +270,10 @@ def test_masked_input_cache_never_serves_a_freed_input():
     input can land at the address of a freed one (with a fresh version counter): the cache must keep its input alive
     so that such a tensor can never hit another layer's masked copy (the CPU allocator reuses small blocks at once;
     the CUDA caching allocator does so for every size)."""
-    from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward
+    from trl_isopo.isopo.micro_batch import MicroBatch
 
-    ctx = ISOPOContext(ISOPOSettings())
+    ctx = ISOPOBackward(ISOPOSettings())
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[0, :2] = False
     mb = MicroBatch(mask=mask, advantages=torch.ones(2))
@@ -290,7 +293,8 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
     """The narrower operand's padding rows are set to 0 in a copy, never multiplied by the mask: they may hold NaN or
     inf (a pad token's hidden state). The caller's tensors are left untouched, and the gradient equals that of inputs
     that were clean to begin with. The wider operand must only be finite there, as for autograd's own G^T X."""
-    from trl_isopo.isopo.linear import ISOPOContext, MicroBatch
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward
+    from trl_isopo.isopo.micro_batch import MicroBatch
 
     B, L = 3, 6
     d_in, d_out = (3, 7) if narrow == "x" else (7, 3)
@@ -310,7 +314,7 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
     A = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     grads = []
     for xi, gi in ((x, g), (clean_x, clean_g)):
-        ctx = ISOPOContext(ISOPOSettings(p=-1.0, q=-0.5, r=0.3, fisher_tokens=5))
+        ctx = ISOPOBackward(ISOPOSettings(p=-1.0, q=-0.5, r=0.3, fisher_tokens=5))
         gw, gb = ctx.layer_grads("layer", xi, gi, MicroBatch(mask=mask, advantages=A, seed=3), True)
         grads.append((gw, gb))
     assert torch.isfinite(grads[0][0]).all() and torch.isfinite(grads[0][1]).all()
@@ -321,7 +325,7 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
 def test_zero_padding_is_a_contiguous_copy_with_padding_rows_zeroed():
     """Always a new contiguous tensor (no host read of the mask for a "no padding" shortcut, updated with the
     sync-free fill), valid rows bit-identical (NaN and -0.0 included), padding rows +0.0 whatever they held."""
-    from trl_isopo.isopo.linear import MicroBatch
+    from trl_isopo.isopo.micro_batch import MicroBatch
 
     t = torch.randn(2, 4, 5).transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous (2, 4, 5) input
     full = MicroBatch(mask=torch.ones(2, 4, dtype=torch.bool), advantages=torch.ones(2))
@@ -366,4 +370,17 @@ def test_weight_used_outside_its_forward_raises(tiny_tokenizer, tmp_path):
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.down_proj.*used outside the module's own forward"):
         with trainer.isopo_active():
             trainer.compute_loss(trainer.model, inputs).backward()
-    assert trainer.isopo_context.calls == {}  # cleared for the next micro-batch
+    assert trainer.isopo_backward.calls == {}  # cleared for the next micro-batch
+
+
+def test_compute_loss_backward_outside_the_isopo_window_is_refused(tiny_tokenizer, tmp_path):
+    """compute_loss + backward outside training_step would give the covered layers the advantage-free gradient of
+    -log pi: refused with the way out; under no_grad (logging, evaluation) it still reports the loss."""
+    trainer = make_trainer(build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=5), tiny_tokenizer, tmp_path)
+    inputs = make_batch(tiny_tokenizer, seed=1)
+    with pytest.raises(RuntimeError, match="isopo_active"):
+        trainer.compute_loss(trainer.model, inputs)
+    with torch.no_grad():
+        assert torch.isfinite(trainer.compute_loss(trainer.model, inputs))
+    with trainer.isopo_active():
+        trainer.compute_loss(trainer.model, inputs).backward()

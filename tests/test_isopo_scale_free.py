@@ -13,7 +13,8 @@ import pytest
 import torch
 from isopo_oracle import make_batch, make_trainer, rel_err
 
-from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
+from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.isopo.reweight import isopo_sequence_scales, nonzero_median, regularized_magnitude
 from trl_isopo.tiny import build_tiny_causal_lm
 
@@ -63,7 +64,7 @@ def run_step(ctx, k, seeds, n=1.0, end=True):
 
 
 def context(knobs, reference="ema_mean"):
-    return ISOPOContext(ISOPOSettings(fisher_tokens=0, reg_reference=reference, **knobs))
+    return ISOPOBackward(ISOPOSettings(fisher_tokens=0, reg_reference=reference, **knobs))
 
 
 @pytest.mark.parametrize("reference", ["ema_mean", "ema_median", "batch_median"])
@@ -169,8 +170,8 @@ def test_fisher_sample_without_any_gradient_gives_zero_not_nan():
     G[:, 0] = 0.0
     sample = torch.arange(0, X.shape[0] * X.shape[1], X.shape[1])  # position 0 of every sequence: g = 0 there
     for reg, expect in ((0.0, 0.0), (1.0, None)):
-        ctx = ISOPOContext(ISOPOSettings(p=-1.0, reg=reg, fisher_tokens=0))
-        ctx.sample_override = {"L": sample}
+        ctx = ISOPOBackward(ISOPOSettings(p=-1.0, reg=reg, fisher_tokens=0))
+        ctx.sampler.override = {"L": sample}
         ctx.layer_grads("L", X, G, MicroBatch(mask=mask, advantages=A), False)
         scale = ctx.records[-1][3]
         assert (ctx.records[-1][1] == 0).all()  # f
@@ -245,8 +246,8 @@ def test_loss_normalizer_matches_trl_loss(tiny_tokenizer, tmp_path, loss_type):
     inputs = make_batch(tiny_tokenizer)
     with trainer.isopo_active():
         loss = trainer.compute_loss(trainer.model, inputs)
-        n = trainer.isopo_context.micro_batch.stat_scale
-        (seed,) = torch.autograd.grad(loss, trainer._isopo_logps)
+        n = trainer.isopo_backward.current.stat_scale
+        (seed,) = torch.autograd.grad(loss, trainer._surrogate_logps)
     mask = inputs["completion_mask"].double()
     # (TRL's fused log-prob kernel returns float32 log-probs even for a float64 model)
     torch.testing.assert_close(seed.double(), -mask / n.unsqueeze(1), rtol=1e-6, atol=0)
@@ -259,7 +260,7 @@ def test_trainer_coefficients_do_not_depend_on_accumulation(tiny_tokenizer, tmp_
     coefficients, so the covered gradients are exactly 1/4, like an ordinary gradient."""
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=5)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path, loss_type=loss_type)
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "fisher_tokens": 0, **knobs})
     mb = make_batch(tiny_tokenizer, seed=1)
     covered = trainer.isopo_coverage["covered"]
@@ -301,7 +302,7 @@ def test_uniform_scales_warn_after_consecutive_steps_and_rarely(tiny_tokenizer, 
     assert run([low] * (T.SPREAD_WARN_STEPS - 1) + [0.5] + [low] * (T.SPREAD_WARN_STEPS - 1)) == []
     warned = run([low] * (T.SPREAD_WARN_EVERY + T.SPREAD_WARN_STEPS), start=1000)
     assert len(warned) == 2 and "isopo_reg_reference" in warned[0] and "isopo_reg" in warned[0]
-    trainer.isopo_context.settings = ISOPOSettings(p=0.0, q=0.0, r=0.0)
+    trainer.isopo_backward.settings = ISOPOSettings(p=0.0, q=0.0, r=0.0)
     trainer._isopo_uniform_steps, trainer._isopo_last_spread_warning = 0, None
     assert run([low] * 20) == []
 
@@ -311,7 +312,7 @@ def test_first_step_of_ema_mean_is_uniform_and_logged_as_such(tiny_tokenizer, tm
     isopo/scale_spread is 0; batch_median spreads them from the first step on."""
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=1)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path)
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     inputs = make_batch(tiny_tokenizer)
     spreads = {}
     for reference in ("ema_mean", "batch_median"):
@@ -345,7 +346,7 @@ def test_peft_lora_zero_lora_b_stays_finite(tiny_tokenizer, tmp_path, knobs):
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=3)
     lc = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = make_trainer(model, tiny_tokenizer, tmp_path, peft_config=lc)
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "fisher_tokens": 0, **knobs})
     trainer.model.zero_grad(set_to_none=True)
     with trainer.isopo_active():

@@ -19,15 +19,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import trl_isopo
 from trl_isopo.isopo import layer as isopo_layer
-from trl_isopo.isopo import routes
-from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
+from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
 aten = torch.ops.aten
 PACKAGE = os.path.dirname(trl_isopo.__file__)
 MECHANISM = {os.path.join(PACKAGE, "isopo", f) for f in
-             ("linear.py", "layer.py", "routes.py", "reweight.py", "other_params.py", "fused_head.py", "head.py",
-              "ema.py", "plain.py")}
+             ("backward.py", "isopo_backward.py", "micro_batch.py", "sampling.py", "metrics.py", "layer.py",
+              "precision.py", "costs.py", "statistics.py", "weight_grad.py", "scratch.py", "reweight.py",
+              "other_params.py", "head/kernel.py", "head/rows.py", "head/isopo.py", "head/interception.py", "ema.py")}
 # Ops whose result size or value the host must read (nanmedian: its CUDA kernel reads the NaN count in some
 # versions; repeat_interleave without output_size reads the repeats).
 HOST_READS = {aten._local_scalar_dense, aten.nonzero, aten.nonzero_numpy, aten.masked_select, aten.is_nonzero,
@@ -108,15 +109,15 @@ VARIANTS = {
 @pytest.mark.parametrize("dtype", ["float32", "bf16 half operands"])
 @pytest.mark.parametrize("route", ["gram", "mat"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_isopo_micro_batch_has_no_host_syncs(tiny_tokenizer, tmp_path, monkeypatch, variant, route, dtype):
+def test_isopo_micro_batch_has_no_host_syncs(tiny_tokenizer, tmp_path, variant, route, dtype):
     """One micro-batch with padding and a Fisher sample (5 tokens) smaller than its 21 valid tokens, with and without
     an EMA history: MicroBatch construction, forward and backward issue no host read from ISOPO's modules."""
     half = dtype != "float32"
-    monkeypatch.setattr(routes, "KEEP_HALF_OPERANDS", half)  # the GPU's half-operand path
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.bfloat16 if half else torch.float32, seed=1)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path)
-    ctx = trainer.isopo_context
-    ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **VARIANTS[variant], "route": route, "fisher_tokens": 5})
+    ctx = trainer.isopo_backward
+    ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **VARIANTS[variant], "route": route, "fisher_tokens": 5,
+                                    "force_half_operands": half})  # half: the GPU's half-operand path
     inputs = make_batch(tiny_tokenizer)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     assert 5 < int(mask.sum()) < mask.numel()
@@ -136,7 +137,7 @@ def test_isopo_lm_head_has_no_host_syncs(tiny_tokenizer, tmp_path, variant, rout
     the row-scaled kernel) issues no host read either, with a Fisher sample of 5 of its scored positions."""
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float32, seed=1)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path, isopo_lm_head=True)
-    ctx = trainer.isopo_context
+    ctx = trainer.isopo_backward
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, **VARIANTS[variant], "route": route, "fisher_tokens": 5})
     inputs = make_batch(tiny_tokenizer)
     for step in range(2):
@@ -175,7 +176,7 @@ def test_layer_grads_on_cuda_do_not_synchronize(variant, dtype):
     dev = torch.device("cuda")
     x, gr, mask = x.to(dev, dtype), gr.to(dev, dtype), mask.to(dev)
     A = torch.randn(B, generator=g).to(dev)
-    ctx = ISOPOContext(ISOPOSettings(**VARIANTS[variant], fisher_tokens=50))
+    ctx = ISOPOBackward(ISOPOSettings(**VARIANTS[variant], fisher_tokens=50))
     mb = MicroBatch(mask=mask, advantages=A, stat_scale=torch.full((B,), 7.0, device=dev))
     ctx.layer_grads("layer", x, gr, mb, True)
     torch.cuda.synchronize()

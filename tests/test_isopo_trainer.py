@@ -84,7 +84,7 @@ def test_train_changes_parameters_and_logs_metrics(tiny_model_dir, tiny_tokenize
         assert all("isopo/fisher_norm" in h for h in logs)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     if variant.get("isopo_reg", 1.0) > 0:
-        assert trainer.isopo_context.ema.ema  # statistics were folded into the EMA (c = 0 keeps none)
+        assert trainer.isopo_backward.ema.ema  # statistics were folded into the EMA (c = 0 keeps none)
     assert all("isopo/scale_spread" in h for h in logs)
 
 
@@ -105,7 +105,7 @@ def test_ema_folds_once_per_optimizer_step(tiny_model_dir, tiny_tokenizer, tmp_p
     trainer = ISOPOTrainer(
         tiny_model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer
     )
-    ema = trainer.isopo_context.ema
+    ema = trainer.isopo_backward.ema
     calls, original = [], ema.end_step
     ema.end_step = lambda *a, **k: (calls.append(trainer._isopo_micro_step), original(*a, **k))[1]
     trainer.train()
@@ -139,7 +139,7 @@ def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, t
         tiny_model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(32), processing_class=tiny_tokenizer
     )
     target = trainer.isopo_coverage["covered"][0]
-    trainer.isopo_context.weight_override = lambda name, A: torch.where(
+    trainer.isopo_backward.weight_override = lambda name, A: torch.where(
         (torch.arange(A.numel()) == 0) & (name == target), torch.inf, A
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -160,14 +160,12 @@ def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, t
         (dict(beta=-0.1), "beta"),
         (dict(beta=0.04, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
         (dict(isopo_reg_reference="mean"), "isopo_reg_reference"),
-        (dict(entropy_coef=0.01), "entropy"),
         (dict(loss_type="cispo"), "loss_type"),
         (dict(isopo_reg=-1.0), "isopo_reg"),
         (dict(isopo_reg_ema_decay=1.0), "isopo_reg_ema_decay"),
         (dict(isopo_other_params="bogus"), "isopo_other_params"),
         (dict(isopo_interacting=True, isopo_q=-1.0), "interacting"),
         (dict(isopo_interacting=True, isopo_interacting_reg=0.0), "isopo_interacting_reg"),
-        (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
         (dict(delta=2.0), "delta"),
         (dict(epsilon=1e9), "epsilon=1000000000.0 has no effect"),
@@ -215,7 +213,7 @@ def test_resume_from_checkpoint_is_bit_exact(tiny_model_dir, tiny_tokenizer, tmp
     assert bool(state["ema"]["ema"]) == (reference != "batch_median")  # batch_median keeps no history
     assert all(k.endswith("@median") == (reference == "ema_median") for k in state["ema"]["ema"])
     resumed = resume_and_compare(tiny_model_dir, tiny_tokenizer, config(tmp_path / "b", **common), ckpt, straight)
-    assert resumed.isopo_context.ema.ema == straight.isopo_context.ema.ema
+    assert resumed.isopo_backward.ema.ema == straight.isopo_backward.ema.ema
 
 
 def test_state_is_in_the_checkpoint_before_push_and_rotation(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):

@@ -18,7 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch, install_isopo_linears
+from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
 
 STEPS, B, L, PROMPT = 3, 4, 10, 4  # B sequences per rank; 2B per step
@@ -55,19 +56,14 @@ def settings() -> ISOPOSettings:
 
 
 def micro_step(model, context, ids, mask, completion, advantages, seed):
-    context.micro_batch = MicroBatch(mask=mask, advantages=advantages, seed=seed)
-    context.active = True
-    try:
+    with context.micro_batch(MicroBatch(mask=mask, advantages=advantages, seed=seed)):
         surrogate_loss(model, ids, mask, completion).backward()
-    finally:
-        context.active = False
-        context.clear()
 
 
 def build(tokenizer):
     model = build_tiny_causal_lm(tokenizer, hidden_size=32, intermediate_size=64, seed=3)
-    context = ISOPOContext(settings())
-    names = install_isopo_linears(model, context)
+    context = ISOPOBackward(settings())
+    names = context.install(model)
     return model, context, names
 
 

@@ -47,7 +47,7 @@ def main(out: str):
             "world_size": state.num_processes,
             "param_hash": digest.hexdigest(),
             "changed": changed,
-            "ema": trainer.isopo_context.ema.ema,
+            "ema": trainer.isopo_backward.ema.ema,
             "completions_differ_across_ranks": gathered[0] != gathered[1],
         }, f)
 

@@ -95,7 +95,7 @@ def main() -> None:
         "engine": type(trainer.model_wrapped).__name__,
         "param_hash": digest.hexdigest(),
         "changed": any(not torch.equal(start[n], end[n]) for n in end),
-        "ema": trainer.isopo_context.ema.ema if a.trainer == "isopo" else None,
+        "ema": trainer.isopo_backward.ema.ema if a.trainer == "isopo" else None,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
     with open(f"{a.out}.rank{state.process_index}.json", "w") as f:

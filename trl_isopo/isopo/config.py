@@ -8,7 +8,7 @@ from trl import GRPOConfig
 
 from .other_params import OTHER_PARAMS_MODES
 from .reweight import REG_REFERENCES
-from .routes import ROUTES
+from .costs import ROUTES
 
 # Loss types whose *normalization* ISOPO reuses for its advantage-free surrogate. The others differ from these by
 # their ratio transform (clipping / soft gates), which ISOPO replaces by construction.
@@ -34,7 +34,22 @@ class ISOPOConfig(GRPOConfig):
 
     `beta > 0` adds TRL's k3 KL-to-reference term (as GRPO computes it) as an ordinary gradient, not re-weighted by
     ISOPO: it costs one extra backward pass over the same forward graph (no second forward) and one gradient-sized
-    buffer.
+    buffer. TRL's entropy bonus (`entropy_coef`, `use_adaptive_entropy`) and a MoE model's router aux loss
+    (`router_aux_loss_coef`) are added the same way, in that same pass. `top_entropy_quantile < 1` restricts the
+    advantage-free seed, hence every per-sequence gradient V_i, to the high-entropy tokens (GRPO's token mask).
+
+    Batch semantics (docs/isopo.md, "Batch semantics"): as with GRPO's loss types, the optimizer step's update does
+    not depend on how its sequences are split over processes and micro-batches. For c = 0 the coefficients are
+    multiplied by N^(p+q), N the sequences per process and optimizer step, which makes the update the mean over the
+    step's sequences for the named settings; c > 0 keeps the loss normalization of `loss_type`. The Fisher estimate
+    (token sample J) and the interacting variant's kernel K are per micro-batch (like the reference), so these depend
+    on which sequences share a micro-batch.
+
+    Several optimizer steps per rollout (`steps_per_generation` > `gradient_accumulation_steps`, or `num_iterations`
+    > 1, each rollout then passed over `num_iterations` times): every pass recomputes the per-sequence gradients at
+    the current policy, with no importance ratio (ISOPO has no pi_old); TRL's no-grad forward for
+    `old_per_token_logps` is skipped unless the KL term's bias correction (`beta > 0`, `use_bias_correction_kl`)
+    reads it.
 
     Parameters:
         isopo_p (`float`, *optional*, defaults to `-1.0`):
@@ -185,10 +200,6 @@ class ISOPOConfig(GRPOConfig):
                     f"{name}={getattr(self, name)!r} has no effect: ISOPO has no importance ratio to clip. Leave it at "
                     f"its default ({default!r})."
                 )
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
-            errors.append("ISOPO does not support an entropy bonus: set entropy_coef=0 and use_adaptive_entropy=False.")
-        if self.top_entropy_quantile < 1.0:
-            errors.append("ISOPO does not support top_entropy_quantile < 1: set it to 1.0.")
         if self.off_policy_mask_threshold is not None:
             errors.append("ISOPO has no pi_old ratio to mask: set off_policy_mask_threshold=None.")
         if self.delta is not None:

@@ -1,4 +1,5 @@
-"""EMA of per-layer batch statistics, with the reference's fixed (non-cumulative) semantics (`isopo-spec.md` §2.2).
+"""EMA of per-layer batch statistics, with the reference's fixed (non-cumulative) semantics: the regularization
+reg_l of paper arXiv 2512.23353, §2.0.1 (docs/isopo.md, "Reference point of the regularizer").
 
 For each (layer, statistic) the regularizer uses mu = EMA over *previous* optimizer steps of the step's mean of x^2
 (`isopo_reg_reference="ema_mean"`; with "ema_median" the per-micro-batch medians of x^2 are averaged instead, under
@@ -16,6 +17,7 @@ Skipped folds are counted in `skipped`. Entries with weight 0 (`accumulate`) are
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 
@@ -78,13 +80,20 @@ class EMAStatistics:
         """Fold this step's means into the EMA. `all_reduce` sums a float64 tensor over the `world_size` processes
         (same key order on every rank: keys are sorted; their number is reduced too and checked)."""
         keys, sums, counts = self.step_sums()
-        sums = torch.cat([sums, torch.tensor([float(len(keys))], dtype=torch.float64)])
         if all_reduce is not None:
+            # The key lists must agree before the sums are reduced (tensors of different lengths would hang or
+            # fail the collective): a fixed-size check first. Equal sums of h and h^2 over the ranks mean equal h;
+            # a 20-bit h keeps every sum exact in float64 for up to 2^12 processes.
+            h = float(int.from_bytes(hashlib.sha256("\n".join(keys).encode()).digest()[:4], "big") % (1 << 20))
+            n = float(len(keys))
+            probe = all_reduce(torch.tensor([n, h, h * h], dtype=torch.float64)).tolist()
+            if probe != [world_size * n, world_size * h, world_size * h * h]:
+                raise RuntimeError(
+                    "ISOPO statistics differ in layers across processes (each process must cover the same layers "
+                    "with the same settings); cannot average them"
+                )
             both = all_reduce(torch.cat([sums, counts]))
-            n = len(keys)
-            if both[n].item() != world_size * n:
-                raise RuntimeError("ISOPO statistics differ in layers across processes; cannot average them")
-            sums, counts = both[:n], both[n + 1 :]
+            sums, counts = both[: len(keys)], both[len(keys) :]
         for k, s, n in zip(keys, sums.tolist(), counts.tolist()):
             if n <= 0:
                 continue

@@ -1,4 +1,5 @@
-"""One covered linear layer's ISOPO gradient for one micro-batch, as a pure function of tensors (isopo-spec §2).
+"""One covered linear layer's ISOPO gradient for one micro-batch, as a pure function of tensors (paper arXiv
+2512.23353, §2 and §3).
 
 For y = x W^T + b with inputs x_t, output gradients g_t of the advantage-free surrogate and sequences i = 1..B
 (valid tokens T_i):
@@ -14,11 +15,16 @@ For y = x W^T + b with inputs x_t, output gradients g_t of the advantage-free su
 
 The statistics entering R and K are those of n_i V_i, n_i the sequence's loss normalizer (`stat_scale`), so that
 the reference point mu (an EMA over steps) does not depend on token counts or accumulation; c = 0 is homogeneous and
-ignores n. The reference point follows `settings.reg_reference` from the layer's stored history (`history`): the
+ignores n. For c = 0 the update sum_i A_i s_i V_i is homogeneous of degree 1 + p + q in V: the loss normalization
+carried by V is lost (degree 0 for the named settings), so w_i is multiplied by N^(p+q), N = `step_sequences`, the
+sequences of this process's optimizer step (micro-batch size x gradient accumulation). With DDP's mean over processes
+the update is then the mean over the step's sequences for the named settings, and GRPO's gradient for p = q = 0:
+independent of how the step's sequences are split over processes and micro-batches (docs/isopo.md, "Batch
+semantics"). The reference point follows `settings.reg_reference` from the layer's stored history (`history`): the
 stored EMA, or before any history each sequence's own s^2 (`ema_mean`) or this micro-batch's median (`ema_median`);
 `batch_median` uses the micro-batch's median only. What the caller should fold into the EMA is returned.
 
-`ISOPOContext.layer_grads` (linear.py) is the glue: it zeroes padding rows (with an input cache shared by the
+`ISOPOBackward.layer_grads` (isopo_backward.py) is the glue: it zeroes padding rows (with an input cache shared by the
 layers reading one input), draws the Fisher sample, passes the stored EMA values, then folds the returned values and
 keeps the metrics record.
 """
@@ -38,7 +44,9 @@ from .reweight import (
     nonzero_median,
     relative_overlap,
 )
-from .routes import Scratch, reweighted_weight_grad, sequence_statistics
+from .scratch import Scratch
+from .statistics import sequence_statistics
+from .weight_grad import reweighted_weight_grad
 
 
 class LayerGrad(NamedTuple):
@@ -82,6 +90,7 @@ def isopo_linear_grad(
     coefficients: torch.Tensor | None = None,
     has_bias: bool = False,
     scratch: Scratch | None = None,
+    step_sequences: float | None = None,
 ) -> LayerGrad:
     """ISOPO weight (and bias) gradient of one linear layer for one micro-batch (the module docstring's equations).
 
@@ -91,7 +100,8 @@ def isopo_linear_grad(
             is zero (either suffices; padding rows of the other may hold anything finite).
         mask: (B, L) bool, valid positions (T_i of each row).
         advantages: (B,) A_i, in the statistics dtype.
-        settings: `ISOPOSettings` (p, q, r, reg, reg_reference, interacting, interacting_reg, route, budget).
+        settings: `ISOPOSettings` (p, q, r, reg, reg_reference, interacting, interacting_reg, route, budget,
+            force_half_operands).
         sample: (S,) flat indices into B*L of the Fisher token sample J (needed when `settings.needs_fisher`);
             padding positions in it add exactly 0.
         stat_scale: (B,) loss normalizers n_i (None = 1).
@@ -99,15 +109,17 @@ def isopo_linear_grad(
         coefficients: (B,) w to use instead of the computed ones (tests: e.g. all ones gives plain autograd).
         has_bias: return the bias gradient too.
         scratch: reusable storage for the large temporaries (fresh if None).
+        step_sequences: N, the number of sequences in this process's optimizer step (c = 0 only; None = 1).
     """
     s = settings
     stats = sequence_statistics(
         X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mask, scratch,
-        euclidean=s.needs_euclidean,
+        euclidean=s.needs_euclidean, force_half=s.force_half_operands,
     )
-    w, record, ema, lam = isopo_coefficients(stats, advantages, s, stat_scale, history, coefficients)
+    w, record, ema, lam = isopo_coefficients(stats, advantages, s, stat_scale, history, coefficients, step_sequences)
     # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
-    gw, gb = reweighted_weight_grad(X, G, torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0), stats)
+    w_finite = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+    gw, gb = reweighted_weight_grad(X, G, w_finite, stats, s.force_half_operands)
     return LayerGrad(gw, gb if has_bias else None, record, ema, lam)
 
 
@@ -118,10 +130,12 @@ def isopo_coefficients(
     stat_scale: torch.Tensor | None = None,
     history: Mapping[str, float] | None = None,
     coefficients: torch.Tensor | None = None,
+    step_sequences: float | None = None,
 ):
     """(w (B,), record (6, B), EMA entries, lam) of one layer and micro-batch from its per-sequence statistics
-    (`routes.SequenceStats`: e2, Fisher numerator / denominator, K): the module docstring's R, w_i and interacting
-    equations; arguments as in `isopo_linear_grad`. w may hold non-finite values (the caller drops them)."""
+    (`statistics.SequenceStats`: e2, Fisher numerator / denominator, K): the module docstring's R, w_i and interacting
+    equations, with the step normalization N^(p+q) for c = 0; arguments as in `isopo_linear_grad`. w may hold
+    non-finite values (the caller drops them)."""
     s = settings
     history = history or {}
     A, n = advantages, stat_scale
@@ -156,6 +170,8 @@ def isopo_coefficients(
             # degree 1 + p + q (0 for the named settings), so V's own scale is kept: no EMA, no normalizer.
             scale = isopo_sequence_scales(e, f, rho, {}, s.p, s.q, s.r, 0.0)
         w = isopo_sequence_weights(A, scale)
+        if s.reg == 0 and step_sequences is not None and s.p + s.q != 0:
+            w = w * float(step_sequences) ** (s.p + s.q)  # restores the step's normalization (module docstring)
         e = f if e is None else e  # p alone: f > 0 marks the sequences with a nonzero layer gradient
         f = e if f is None else f
         rho = e if rho is None else rho

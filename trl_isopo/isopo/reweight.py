@@ -1,6 +1,6 @@
 """ISOPO per-sequence coefficients from per-layer statistics (pure tensor functions).
 
-Notation (paper arXiv 2512.23353; `isopo-spec.md` §2): for one covered layer and one micro-batch of B sequences,
+Notation (paper arXiv 2512.23353, §2): for one covered layer and one micro-batch of B sequences,
 V_i is sequence i's gradient of the advantage-free surrogate, and
 
 - e_i = ||V_i||_F (Euclidean norm),
@@ -120,9 +120,9 @@ def isopo_sequence_weights(advantages: torch.Tensor, scales: torch.Tensor) -> to
 def fisher_norm(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """f_i = sqrt(sum_j (g_j^T V_i a_j)^2) / ||(|g_j| |a_j|)_j||; (B,), scalar -> (B,).
 
-    Degree 1 in V_i and degree 0 in the scale of the output gradients (paper §2.0.2, eq. 6). A zero denominator
-    (every sampled token has g_j = 0 or a_j = 0, so every numerator is 0 too) gives f = 0, not NaN. The reference's
-    absolute "+ 1e-12" inside the norm is dropped: |g_j| carries the loss normalization.
+    Degree 1 in V_i and degree 0 in the scale of the output gradients (paper arXiv 2512.23353, §2.0.2, eq. 6). A zero
+    denominator (every sampled token has g_j = 0 or a_j = 0, so every numerator is 0 too) gives f = 0, not NaN. The
+    reference's absolute "+ 1e-12" inside the norm is dropped: |g_j| carries the loss normalization.
     """
     return torch.where(denominator > 0, numerator.clamp_min(0).sqrt() / denominator, 0.0)
 

@@ -3,14 +3,14 @@
 The head is a linear layer W (V, H) (+ b) whose input rows are the final hidden states x_t and whose output-gradient
 rows are the logits gradients g_t of the advantage-free surrogate. Its per-sequence gradients V_i = sum_t g_t x_t^T
 would take B x V x H floats (8 x 49152 x 576 x 4 bytes = 0.9 GB for SmolLM2), and TRL never forms the logits: its
-kernel recomputes them in vocabulary tiles. Every statistic ISOPO needs (`routes`: e_i^2, u_i[j] = g_j^T V_i x_j,
+kernel recomputes them in vocabulary tiles. Every statistic ISOPO needs (`statistics.py`: e_i^2, u_i[j] = g_j^T V_i x_j,
 K_ik) is a sum over output rows, hence over vocabulary tiles. So the backward of the head runs:
 
 1. `head_statistics`: per vocabulary tile, the logits of the scored rows only (the last C positions, as a (B, C)
    layout), folded into logits gradients by TRL's own kernel, and the tile's share of the statistics by the "gram"
-   or "mat" route of `routes` (whichever is cheaper for the tile's shape);
+   or "mat" route of `statistics.py` (whichever is cheaper for the tile's shape);
 2. the coefficients w (`layer.isopo_coefficients`, exactly as for a covered layer; EMA under the head's name);
-3. TRL's tile loop with rows scaled by w_seq(t) (`fused_head.RowScaledChunkedLogProb`): grad W = sum_i w_i V_i, and
+3. TRL's tile loop with rows scaled by w_seq(t) (`kernel.RowScaledChunkedLogProb`): grad W = sum_i w_i V_i, and
    the hidden-state gradient unchanged.
 
 Cost over TRL's backward: step 1, i.e. the scored rows' logits recomputed once more plus the statistics (for
@@ -24,25 +24,12 @@ from __future__ import annotations
 import torch
 import trl.kernels.chunked_logprob as trl_kernel
 
-from .fused_head import tile_fold
-from .layer import isopo_coefficients
-from .other_params import head_row_values, scored_positions
-from .routes import SequenceStats, _gather_rows, _gram, _mat, _row_norms, route_costs, stat_dtype, statistics_cost
-
-
-def scored_rows(mb, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows (B, C) long, valid (B, C) bool): the kernel row of each scored position (b, c), c < C = logits_to_keep,
-    in either of TRL's layouts: all B*(L-1) shifted positions, or only the positions whose shifted label is valid
-    (row-major; `other_params.head_row_values`). Invalid positions point at row 0 (their `valid` is False)."""
-    B, L = mb.mask.shape
-    C = mb.logits_to_keep
-    valid = scored_positions(mb)
-    if n_rows == B * (L - 1):
-        rows = torch.arange(n_rows, device=valid.device).view(B, L - 1)
-    else:
-        rows = valid.reshape(-1).cumsum(0).view(B, L - 1) - 1
-    rows, valid = rows[:, L - 1 - C :], valid[:, L - 1 - C :]
-    return torch.where(valid, rows, 0), valid
+from ..costs import route_costs, statistics_cost
+from ..layer import isopo_coefficients
+from ..precision import stat_dtype
+from ..statistics import SequenceStats, gather_rows, gram_statistics, materialized_statistics, row_norms
+from .kernel import tile_fold
+from .rows import head_row_values, scored_rows
 
 
 def head_statistics(
@@ -61,7 +48,7 @@ def head_statistics(
     compute_dtype: torch.dtype,
     kernel_args: dict,
 ) -> SequenceStats:
-    """Per-sequence statistics of the head's weight gradient, as `routes.sequence_statistics` gives for a layer.
+    """Per-sequence statistics of the head's weight gradient, as `statistics.sequence_statistics` gives for a layer.
 
     Args:
         hidden (N, H), weight (V, H), bias (V,) | None, targets (N,), log_z (N,), entropy (N,): the kernel's saved
@@ -85,7 +72,7 @@ def head_statistics(
     S = sample.numel() if s.needs_fisher else 0
     # Vocabulary tile width: the (B C, width) logits tile and its float32 copy within half the budget.
     width = min(vocab, max(128, s.budget_bytes // (2 * 4 * B * C)))
-    cost = statistics_cost(X.dtype, dev)  # > 1: half operands upcast for float32 statistics (CPU)
+    cost = statistics_cost(X.dtype, dev, s.force_half_operands)  # > 1: half operands upcast for the statistics
 
     def operand(t):
         return t.float() if cost != 1.0 else t
@@ -96,7 +83,7 @@ def head_statistics(
     route = s.route if s.route != "auto" else ("gram" if c.gram <= c.mat + cost * B * C * H * width else "mat")
     Xs = operand(X)
     sdt = stat_dtype(Xs.dtype)
-    XJ = _gather_rows(Xs, sample, None, "XJ") if S else None
+    XJ = gather_rows(Xs, sample, None, "XJ") if S else None
     e2 = u = K = None
     gnorm2 = torch.zeros(XJ.shape[0], dtype=sdt, device=dev) if S else None
     buf = torch.empty((B * C, width), device=dev, dtype=compute_dtype)
@@ -111,21 +98,21 @@ def head_statistics(
              HAS_LOGPROB_GRAD=gl is not None, HAS_ENTROPY_GRAD=ge is not None, BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
              **kernel_args)  # fmt: skip
         G = operand(tile.view(B, C, -1))
-        GJ = _gather_rows(G, sample, None, "GJ") if S else None
+        GJ = gather_rows(G, sample, None, "GJ") if S else None
         if S:
-            gnorm2 += _row_norms(GJ, sdt).square()
+            gnorm2 += row_norms(GJ, sdt).square()
         if route == "gram":
-            parts = _gram(Xs, G, XJ, GJ, s.interacting, s.budget_bytes, s.needs_euclidean)
+            parts = gram_statistics(Xs, G, XJ, GJ, s.interacting, s.budget_bytes, s.needs_euclidean)
         else:
             XJm, GJm = (None, None) if not S else (XJ.to(sdt), GJ.to(sdt))
-            parts = _mat(Xs, G, XJm, GJm, s.interacting, s.budget_bytes, None, s.needs_euclidean)[:3]
+            parts = materialized_statistics(Xs, G, XJm, GJm, s.interacting, s.budget_bytes, None, s.needs_euclidean)[:3]
         e2 = _add(e2, parts[0])
         u = _add(u, parts[1])
         K = _add(K, parts[2])
     num = den = None
     if S:
         num = (u * u).sum(1)
-        den = torch.linalg.vector_norm((gnorm2.sqrt() * _row_norms(XJ, sdt))[:S])
+        den = torch.linalg.vector_norm((gnorm2.sqrt() * row_norms(XJ, sdt))[:S])
     return SequenceStats(e2=e2, fisher_num=num, fisher_den=den, ntk=K, route=route)
 
 
@@ -135,25 +122,31 @@ def _add(total, part):
 
 class ISOPOHead:
     """Row-scale provider of `RowScaledChunkedLogProb` for an ISOPO-transformed head: called in the kernel's backward
-    with its saved tensors, returns the per-row coefficients w_seq(t) (N,) and keeps the head's EMA and metrics in
-    the ISOPO context under `name`."""
+    with its saved tensors, returns the per-row coefficients w_seq(t) (N,) of micro-batch `mb` and keeps the head's
+    EMA and metrics in `backward` (an `ISOPOBackward`) under `name`; None inside the backward's plain mode."""
 
-    def __init__(self, context, name: str = "lm_head"):
-        self.context, self.name = context, name
+    def __init__(self, backward, name: str, mb):
+        self.backward, self.name, self.mb = backward, name, mb
 
     def __call__(self, hidden, weight, bias, targets, log_z, entropy, grad_logprobs, grad_entropy, compute_dtype,
-                 kernel_args) -> torch.Tensor:  # fmt: skip
-        ctx, mb, s = self.context, self.context.micro_batch, self.context.settings
-        ctx.calls[self.name] = ctx.calls.get(self.name, 0) + 1
+                 kernel_args) -> torch.Tensor | None:  # fmt: skip
+        owner, mb, s = self.backward, self.mb, self.backward.settings
+        if owner.plain_active:
+            return None
+        owner.record_call(self.name)
+        if hidden.shape[0] == 0:
+            # Compact layout with no scored position (every completion empty or masked): no row, no gradient, no
+            # statistics to fold. A shape, known on the host: no synchronization.
+            return torch.zeros(0, dtype=torch.float32, device=hidden.device)
         rows, valid = scored_rows(mb, hidden.shape[0])
-        sample = ctx.fisher_sample(self.name, mb, mask=valid) if s.needs_fisher else None
+        sample = owner.fisher_sample(self.name, mb, mask=valid) if s.needs_fisher else None
         stats = head_statistics(hidden, weight, bias, targets, log_z, entropy, grad_logprobs, grad_entropy, rows,
                                 valid, sample, s, compute_dtype, kernel_args)  # fmt: skip
         dt = stats.e2.dtype if stats.e2 is not None else stats.fisher_num.dtype
         A = mb.advantages_as(dt, hidden.device)
-        coef = None if ctx.weight_override is None else ctx.weight_override(self.name, A)
+        coef = None if owner.weight_override is None else owner.weight_override(self.name, A)
         w, record, ema, lam = isopo_coefficients(stats, A, s, mb.stat_scale_as(dt, hidden.device),
-                                                 ctx.history(self.name), coef)  # fmt: skip
-        ctx.keep(self.name, record, ema, lam)
+                                                 owner.history(self.name), coef, mb.step_sequences)  # fmt: skip
+        owner.keep(self.name, record, ema, lam)
         w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)  # as for a layer: a bad sequence drops out
         return head_row_values(hidden.shape[0], mb, w)

@@ -24,15 +24,14 @@ and the scaled gradients against TRL called with scaled incoming gradients and a
 pinned to 1.16.x, whose kernel exposes these pieces; a TRL without them fails at import with the names it lacks.
 
 Row scaling applies to the whole per-row gradient, i.e. also to the entropy term when the loss uses the entropy.
-Inside `plain.plain_backward()` (ISOPO's KL term) rows are not scaled: the ordinary gradient.
+`row_scale` may also be a provider called in backward (`interception.RowValues`, `isopo.ISOPOHead`); one that returns
+None (its backward object is in plain mode: ISOPO's KL term) leaves the rows unscaled, the ordinary gradient.
 """
 
 from __future__ import annotations
 
 import torch
 import trl.kernels.chunked_logprob as trl_kernel
-
-from .plain import plain_backward_active
 
 _NEEDED = ("ChunkedLogProbFunction", "_backward_kernel", "_backward_tile", "_use_triton", "_addmm_fp32", "_BLOCK_SIZE")
 _missing = [name for name in _NEEDED if not hasattr(trl_kernel, name)]
@@ -114,8 +113,9 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_scale, *trl_args):
-        # row_scale may also be a provider called in backward (`head.ISOPOHead`: coefficients that depend on the
-        # logits gradients themselves), with the saved tensors, the incoming gradients, compute dtype, fold arguments.
+        # row_scale may also be a provider called in backward (`isopo.ISOPOHead`: coefficients that depend on the
+        # logits gradients themselves), with the saved tensors, the incoming gradients, compute dtype, fold arguments;
+        # it returns the (N,) scale, or None for an unscaled (ordinary) gradient.
         ctx.provider = row_scale if callable(row_scale) else None
         if ctx.provider is not None:
             row_scale = hidden.new_empty(0)
@@ -141,14 +141,14 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
         dt, chunk, dev, f32 = ctx.compute_dtype, ctx.chunk_size, hidden.device, torch.float32
         # The scaled product is formed in float32 (float64 for float64 inputs) and rounded once to the compute dtype
         prod_dt = torch.promote_types(dt, f32)
-        scale = None if plain_backward_active() else row_scale.detach().to(device=dev, dtype=prod_dt)
+        scale = None if ctx.provider is not None else row_scale.detach().to(device=dev, dtype=prod_dt)
         gl = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         ge = grad_entropy.float().contiguous() if grad_entropy is not None else None
         N = hidden.shape[0]
         with maybe_gather_lm_head_ctx(weight, bias):
-            if scale is not None and ctx.provider is not None and (need_w or need_b):
+            if ctx.provider is not None and (need_w or need_b):
                 scale = ctx.provider(hidden, weight, bias, targets, log_z, entropy, gl, ge, dt, ctx.kernel_args)
-                scale = scale.to(device=dev, dtype=prod_dt)
+                scale = None if scale is None else scale.to(device=dev, dtype=prod_dt)
             vocab = weight.shape[0]
             grad_h = torch.zeros(hidden.shape, device=dev, dtype=f32) if need_h else None
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=f32) if need_w else None

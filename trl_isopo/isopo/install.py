@@ -1,0 +1,74 @@
+"""Installing ISOPO's backward on a trainer's model: which modules it covers, what the other trainable parameters
+and the LM head get (`isopo_other_params`, `isopo_lm_head`), and the coverage the trainer reports."""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+from .backward import coverable_linears
+from .other_params import other_trainable_modules
+from .support import check_vanilla_lora
+
+logger = logging.get_logger(__name__)
+
+
+def install_isopo(backward, model: torch.nn.Module, args) -> dict:
+    """Install `backward` (an `ISOPOBackward`) on `model` as `args` (an `ISOPOConfig`) says; returns the coverage:
+    counts of covered layers / parameters and of the other trainable ones, their modes, the covered names."""
+    check_vanilla_lora(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    exclude = frozenset({id(head)} if head is not None else ())
+    covered_modules = [m for _, m in coverable_linears(model, exclude)]
+    if not covered_modules:
+        raise ValueError(
+            "ISOPO found no trainable nn.Linear in the model (other than the LM head). Unfreeze linear layers or "
+            "use a LoRA peft_config."
+        )
+    others = other_trainable_modules(model, {id(m) for m in covered_modules}, head)
+    head_trainable = head is not None and any(p.requires_grad for p in head.parameters())
+    isopo_head = args.isopo_lm_head
+    if isopo_head and not head_trainable:
+        raise ValueError(
+            "isopo_lm_head=True transforms the LM head's weight gradient, but this model's LM head has no trainable "
+            "parameter (LoRA freezes it). Train the head (full fine-tuning) or set isopo_lm_head=False."
+        )
+    mode = args.isopo_other_params
+    if mode == "frozen":
+        for _, module in others:
+            module.requires_grad_(False)
+        if head_trainable and not isopo_head:
+            head.requires_grad_(False)
+        if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()  # reentrant checkpointing with a frozen embedding
+    head_mode = None
+    if head_trainable and (isopo_head or mode == "advantage_weighted"):
+        head_mode = "method" if isopo_head else "advantage_weighted"
+    covered = backward.install(
+        model, exclude=exclude, weighted=others if mode == "advantage_weighted" else (),
+        head_mode=head_mode, head_name=next((n for n, m in model.named_modules() if m is head), "lm_head"),
+    )  # fmt: skip
+    n_cov = sum(p.numel() for m in covered_modules for p in m.parameters())
+    n_other = sum(p.numel() for _, m in others for p in m.parameters(recurse=False) if p.requires_grad or mode == "frozen")
+    n_head = sum(p.numel() for p in head.parameters()) if head_trainable else 0
+    coverage = {
+        "isopo_layers": len(covered),
+        "isopo_params": n_cov,
+        "other_modules": len(others) + (1 if head_trainable else 0),
+        "other_params": n_other + n_head,
+        "other_params_mode": mode,
+        "lm_head": "isopo" if isopo_head else (mode if head_trainable else "frozen"),
+        "covered": covered,
+    }
+    logger.info(
+        "ISOPO covers %d linear layers (%d parameters); %d other trainable modules (%d parameters, incl. LM head: "
+        "%s) get %s gradients.",
+        coverage["isopo_layers"],
+        n_cov,
+        coverage["other_modules"],
+        coverage["other_params"],
+        head_trainable,
+        mode,
+    )
+    return coverage

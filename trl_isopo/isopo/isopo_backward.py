@@ -1,0 +1,138 @@
+"""ISOPO's backward object: `ISOPOBackward`, the `backward.LayerBackward` whose per-layer gradient is ISOPO's.
+
+Its state, each in its own object: `settings` (frozen `ISOPOSettings`), `ema` (`ema.EMAStatistics`, the regularizer's
+reference points), `metrics` (`metrics.StepMetrics`, the step's records), `sampler` (`sampling.FisherSampler`, the
+Fisher token sample's generators); and from the base, `inputs` (the masked-input cache), `scratch` (the buffer pool),
+`calls` (call tracking). The math of one layer call is `layer.isopo_linear_grad`; here only the state around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backward import LayerBackward
+from .costs import DEFAULT_BUDGET_BYTES
+from .ema import EMAStatistics
+from .head.isopo import ISOPOHead
+from .layer import isopo_linear_grad, reference_point
+from .metrics import StepMetrics
+from .micro_batch import MicroBatch
+from .reweight import REG_REFERENCES
+from .sampling import FisherSampler
+
+# The stored EMA values a layer call may read (`layer.isopo_linear_grad`'s `history`).
+_HISTORY_KEYS = ("e", "f", "rho", "ntk", "e@median", "f@median", "rho@median")
+
+
+@dataclass(frozen=True)
+class ISOPOSettings:
+    """The math knobs (see `ISOPOConfig` for their documentation)."""
+
+    p: float = -1.0
+    q: float = 0.0
+    r: float = 0.0
+    reg: float = 1.0
+    reg_reference: str = "ema_mean"
+    ema_decay: float = 0.9
+    fisher_tokens: int = 250
+    interacting: bool = False
+    interacting_reg: float = 1.0
+    route: str = "auto"
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    seed: int = 0
+    # Keep bf16 / fp16 operands for the statistics where the device has no float32-output half GEMM (CPU): the GPU's
+    # path, for tests (`precision.keeps_half_operands`). False: by device.
+    force_half_operands: bool = False
+
+    def __post_init__(self):
+        if self.reg_reference not in REG_REFERENCES:
+            raise ValueError(f"reg_reference must be one of {REG_REFERENCES}, got {self.reg_reference!r}")
+
+    @property
+    def needs_fisher(self) -> bool:
+        return not self.interacting and (self.p != 0 or self.r != 0)
+
+    @property
+    def needs_euclidean(self) -> bool:
+        """Whether e_i is computed: the math needs it (q, r, interacting: free as diag K), or no other statistic is.
+
+        Not for p alone (the default): on wide layers (Gram route) e^2 would add ~0.6x the Fisher numerator's work.
+        """
+        return self.interacting or self.q != 0 or self.r != 0 or not self.needs_fisher
+
+
+class ISOPOBackward(LayerBackward):
+    """ISOPO's per-layer backward (see the module docstring). `weight_override`: a test hook, (name, A) -> (B,)
+    coefficients used instead of the computed ones (e.g. all ones: plain autograd)."""
+
+    def __init__(self, settings: ISOPOSettings, ema: EMAStatistics | None = None):
+        super().__init__()
+        self.settings = settings
+        self.ema = EMAStatistics(settings.ema_decay) if ema is None else ema
+        self.metrics = StepMetrics()
+        self.sampler = FisherSampler()
+        self.weight_override = None
+
+    @property
+    def records(self) -> list[torch.Tensor]:
+        """This step's (6, B) metrics records (`metrics.StepMetrics`)."""
+        return self.metrics.records
+
+    @property
+    def lambdas(self) -> list:
+        """This step's interacting lambdas (`metrics.StepMetrics`)."""
+        return self.metrics.lambdas
+
+    def fisher_sample(self, name: str, mb: MicroBatch, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `name`'s Fisher token sample (S,) for `mb` (`sampling.FisherSampler.draw`; `mask`: another pool)."""
+        index = self.layer_index.get(name, len(self.layer_index))  # a module outside the covered layers: its own
+        return self.sampler.draw(name, index, self.settings.fisher_tokens, mb, mask)
+
+    def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
+        """ISOPO weight (and bias) gradient of layer `name`. x: (B, L, d_in), g: (B, L, d_out)."""
+        s = self.settings
+        X, G, dt = self.masked_operands(name, x, g, mb)
+        A = mb.advantages_as(dt, X.device)
+        sample = self.fisher_sample(name, mb) if s.needs_fisher else None
+        # Few, small tensor ops per layer call (each is a kernel launch on a GPU, ~3 us of dispatch on a CPU): metrics
+        # and EMA sums are reduced once per step (`step_metrics`, `EMAStatistics.end_step`), the stored EMA values
+        # are read as Python floats.
+        out = isopo_linear_grad(
+            X, G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device), history=self.history(name),
+            coefficients=None if self.weight_override is None else self.weight_override(name, A),
+            has_bias=has_bias, scratch=self.scratch, step_sequences=mb.step_sequences,
+        )  # fmt: skip
+        self.keep(name, out.record, out.ema, out.lam)
+        return out.grad_weight, out.grad_bias
+
+    def head_provider(self, name: str, mb: MicroBatch) -> ISOPOHead:
+        return ISOPOHead(self, name, mb)
+
+    def history(self, name: str) -> dict[str, float]:
+        """The stored EMA values of module `name` by statistic (those that exist)."""
+        found = {k: self.ema.ema.get(f"{name}/{k}") for k in _HISTORY_KEYS}
+        return {k: v for k, v in found.items() if v is not None}
+
+    def keep(self, name: str, record: torch.Tensor, ema: list, lam) -> None:
+        """Fold one module call's EMA entries and keep its metrics record (and lambda) for the step."""
+        for key, values, weights in ema:
+            self.ema.accumulate(name, key, values, weights)
+        self.metrics.keep(record, lam)
+
+    def reference_point(self, name: str, stat: str, x2: torch.Tensor) -> torch.Tensor | float:
+        """mu for statistic `stat` of layer `name` from this micro-batch's x^2 (B,) under `isopo_reg_reference`
+        (`layer.reference_point`), folding this micro-batch's values into the EMA as a layer call does."""
+        prefix = f"{name}/{stat}"
+        mu, entries = reference_point(
+            self.settings.reg_reference, x2, self.ema.ema.get(prefix), self.ema.ema.get(prefix + "@median")
+        )
+        for suffix, values, weights in entries:
+            self.ema.accumulate(name, stat + suffix, values, weights)
+        return mu
+
+    def step_metrics(self) -> dict[str, tuple[float, float]]:
+        """{metric: (sum over layer calls, number of layer calls)} of this step's records; clears them
+        (`metrics.StepMetrics.reduce`)."""
+        return self.metrics.reduce(self.settings)

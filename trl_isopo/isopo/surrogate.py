@@ -1,0 +1,210 @@
+"""`SurrogateLossMixin`: the GRPOTrainer glue of a method whose covered linear layers rebuild their weight gradient
+inside the backward pass (a `backward.LayerBackward`): ISOPOTrainer and PROMATrainer.
+
+The loss is GRPO's own with advantages 1 and no importance ratio: the **advantage-free surrogate** -sum(log pi),
+normalized like `loss_type` (`isopo.normalizer.loss_normalizer`); the advantages reach the covered layers through the
+micro-batch bound into the backward object's window. What GRPO adds to that loss and the method must not transform
+(the k3 KL to the reference model when `beta > 0`, TRL's entropy bonus, a MoE router aux loss) is taken as one
+ordinary gradient in the backward object's `plain()` mode over the same graph (`kl.KLGradients`).
+`top_entropy_quantile < 1` stays inside GRPO's loss: its token mask multiplies the seed, so the per-sequence gradients
+come from the high-entropy tokens only. TRL's no-grad forward for `old_per_token_logps` is skipped unless
+`_needs_old_logps` says it is read.
+
+A trainer mixes this in before `GRPOTrainer`, calls `_init_surrogate` with its installed `LayerBackward`, sets
+`_surrogate_name` (for messages) and implements `_make_micro_batch`; `training_step` opens the window around TRL's
+step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from transformers.utils import logging
+
+from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
+from .kl import KLGradients, k3_per_token
+from .micro_batch import MicroBatch
+from .normalizer import loss_normalizer
+
+logger = logging.get_logger(__name__)
+
+
+class SurrogateLossMixin:
+    """See the module docstring. State: `_surrogate_window` (the ExitStack of the open window, None outside),
+    `_surrogate_kl` (held KL gradients), `_surrogate_logps` / `_surrogate_entropies` / `_surrogate_aux` (the last
+    policy forward's)."""
+
+    _surrogate_name = "method"
+    _window_method = "backward_window"  # the name the trainer's users call the window by (in messages)
+
+    def _init_surrogate(self, backward) -> None:
+        self._surrogate_backward = backward
+        self._surrogate_window = None
+        self._surrogate_kl = KLGradients()
+        self._surrogate_logps = self._surrogate_entropies = self._surrogate_aux = None
+        self._surrogate_skip_old_logps = False
+
+    # ------------------------------------------------------------------------------------------- subclass hooks
+    def _make_micro_batch(self, inputs, mask, advantages, normalizer) -> MicroBatch:
+        """The micro-batch bound into the window: mask (B, L) valid prompt + completion positions, advantages (B,),
+        normalizer (B,) the loss normalizer n_i."""
+        raise NotImplementedError
+
+    def _needs_old_logps(self) -> bool:
+        """Whether TRL's `old_per_token_logps` are read (else their forward is skipped): the KL term's ratio."""
+        return self.beta != 0.0 and bool(self.args.use_bias_correction_kl)
+
+    def _surrogate_metrics(self, inputs, logps, mask) -> list[torch.Tensor]:
+        """Extra (numerator, denominator) pairs to log per micro-batch, reduced with the policy loss in one call."""
+        return []
+
+    def _log_surrogate_metrics(self, mode: str, totals: list[float]) -> None:
+        """Receives the process-summed values of `_surrogate_metrics`' pairs."""
+
+    # ----------------------------------------------------------------------------------------------------- window
+    @contextlib.contextmanager
+    def backward_window(self):
+        """The span of one micro-batch's forward, recompute and backward; `_compute_loss` opens the backward
+        object's window inside it, which closes here after the backward with its checks."""
+        with contextlib.ExitStack() as window:
+            self._surrogate_window = window
+            try:
+                yield
+            finally:
+                self._surrogate_window = None
+                window.callback(self._flush_kl)
+
+    def _flush_kl(self) -> None:
+        if self._surrogate_kl.flush() and self.accelerator.num_processes > 1:
+            logger.warning("%s: the KL gradient of some parameters was added outside the backward pass (not "
+                           "all-reduced).", self._surrogate_name)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        with self.backward_window():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    # ------------------------------------------------------------------------------------------------------- loss
+    def _loss_normalizer(self, inputs, mask: torch.Tensor, mode: str) -> torch.Tensor:
+        train = mode == "train"
+        return loss_normalizer(
+            self.loss_type, mask, accumulation=self.current_gradient_accumulation_steps if train else 1,
+            max_completion_length=self.max_completion_length, num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=self.args.steps_per_generation if train else None,
+        )  # fmt: skip
+
+    def _compute_loss(self, model, inputs):
+        """GRPO's loss with advantages 1 and pi_old = sg(pi): ratio 1 and gradient exactly grad(-sum log pi) /
+        normalizer, so GRPO's forward, masks (tool, truncation, high-entropy tokens) and normalization are reused
+        unchanged; the real advantages are bound into the window. The KL term, entropy bonus and aux loss are one
+        ordinary gradient (`_extra_terms`)."""
+        mode = "train" if self.model.training else "eval"
+        advantages = torch.nan_to_num(inputs["advantages"].detach().float(), nan=0.0)
+        if advantages.dim() != 1:
+            raise ValueError(f"{self._surrogate_name} needs one advantage per sequence (advantages of shape (B,))")
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1).bool()
+        loss_mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            loss_mask = loss_mask * inputs["tool_mask"]
+        normalizer = self._loss_normalizer(inputs, loss_mask, mode)
+        training = mode == "train" and torch.is_grad_enabled()
+        if training and self._surrogate_window is None:
+            # Outside the window the covered layers are plain linears: a backward of this loss would silently give
+            # them the advantage-free gradient of -log pi.
+            raise RuntimeError(
+                f"{type(self).__name__}'s loss has no ordinary gradient: the advantages enter only inside the "
+                f"{self._surrogate_name} backward. Call trainer.training_step(model, inputs, num_items_in_batch) "
+                f"(which opens that window), or wrap compute_loss and backward in `with trainer.{self._window_method}():`; "
+                "under torch.no_grad() or in eval mode compute_loss only reports the loss."
+            )
+        if training:
+            mb = self._make_micro_batch(inputs, attention_mask, advantages, normalizer.detach())
+            self._surrogate_window.enter_context(self._surrogate_backward.micro_batch(mb))
+        surrogate_inputs = dict(inputs)
+        surrogate_inputs["advantages"] = torch.ones_like(inputs["advantages"])
+        surrogate_inputs["old_per_token_logps"] = None
+        self._surrogate_logps = self._surrogate_entropies = self._surrogate_aux = None
+        # GRPO's loss without its KL term, entropy bonus and aux loss (added below, outside the method's transform).
+        saved = (self.beta, self._entropy_bonus_enabled, self.router_aux_loss_coef)
+        self.beta, self._entropy_bonus_enabled, self.router_aux_loss_coef = 0.0, False, 0.0
+        try:
+            loss = super()._compute_loss(model, surrogate_inputs)
+        finally:
+            self.beta, self._entropy_bonus_enabled, self.router_aux_loss_coef = saved
+        extra_value = self._extra_terms(model, inputs, loss_mask, normalizer, mode)
+        logps = self._surrogate_logps.detach()
+        # Monitoring value: the REINFORCE loss -mean_tokens(A log pi) (plus the KL term's value); the method's
+        # gradient is no scalar loss's, and adding a constant leaves the backward untouched.
+        mask = inputs["completion_mask"].to(logps.dtype)
+        pairs = [-(advantages.to(logps.dtype).unsqueeze(1) * logps * mask).sum(), mask.sum()]
+        pairs += self._surrogate_metrics(inputs, logps, mask)
+        local = torch.stack([p.to(logps.dtype).reshape(()) for p in pairs])
+        totals = self.accelerator.reduce(local.clone(), reduction="sum").tolist()
+        self._metrics[mode]["policy_loss"].append(totals[0] / max(totals[1], 1.0))
+        self._log_surrogate_metrics(mode, totals[2:])
+        display = local[0] / local[1].clamp(min=1.0)
+        if mode == "train":
+            display = display / self.current_gradient_accumulation_steps
+        return loss + (display + extra_value - loss.detach())
+
+    def _extra_terms(self, model, inputs, mask, normalizer, mode):
+        """The KL term, TRL's entropy bonus (on the tokens the seed acts on) and the router aux loss, summed and taken
+        as one ordinary gradient (one extra backward pass over the same graph); returns their (detached) value."""
+        extra = []
+        if self.beta != 0.0:
+            extra.append(self._kl_term(inputs, mask, normalizer, mode))
+        if entropy_bonus_enabled(self.args):
+            entropies, bonus_mask = self._surrogate_entropies, mask
+            if self.top_entropy_quantile < 1.0:  # the same mask GRPO's loss applied to the seed
+                bonus_mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            extra.append(entropy_bonus_term(self, entropies, bonus_mask, mode))
+        if self.aux_loss_enabled:
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            extra.append(self.router_aux_loss_coef * self._surrogate_aux / accumulation)
+        if not extra:
+            return 0.0
+        total = sum(t.reshape(()) for t in extra)
+        if mode == "train" and torch.is_grad_enabled() and total.requires_grad:
+            params = [p for p in model.parameters() if p.requires_grad]
+            self._surrogate_kl.take(total, params, self._surrogate_backward)
+        return total.detach()
+
+    def _kl_term(self, inputs, mask, normalizer, mode):
+        """beta x TRL's k3 KL to the reference model (`kl.k3_per_token`), normalized like the loss_type;
+        differentiable. Logs GRPO's "kl" metric."""
+        per_token = k3_per_token(self._surrogate_logps, inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
+                                 self.args.use_bias_correction_kl)  # fmt: skip
+        m = mask.to(per_token.dtype)
+        totals = self.accelerator.reduce(torch.stack([(per_token.detach() * m).sum(), m.sum()]), reduction="sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return self.beta * (per_token * m / normalizer.to(per_token.dtype).unsqueeze(1)).sum()
+
+    # ------------------------------------------------------------------------------------- rollout log-probs
+    def _generate_and_score_completions(self, inputs):
+        """GRPO's rollout without the no-grad forward for `old_per_token_logps` when nothing reads them."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        # TRL 1.16 runs that forward exactly when this holds (vLLM's importance-sampling correction is refused by
+        # the config); the flag is consumed by the first policy forward without gradients, which is that one.
+        self._surrogate_skip_old_logps = (
+            self.args.gradient_accumulation_steps % generate_every != 0 and not self._needs_old_logps()
+        )
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            missed, self._surrogate_skip_old_logps = self._surrogate_skip_old_logps, False
+        if missed:
+            raise RuntimeError(
+                f"{type(self).__name__} expected GRPOTrainer to compute old_per_token_logps in this rollout and it did "
+                "not: this TRL version is not supported by trl-isopo."
+            )
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        if getattr(self, "_surrogate_skip_old_logps", False) and model is self.model and not torch.is_grad_enabled():
+            self._surrogate_skip_old_logps = False
+            return None, None, None  # old_per_token_logps = None: the loss then uses sg(log pi), ratio 1
+        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self._surrogate_logps, self._surrogate_entropies, self._surrogate_aux = out
+        return out

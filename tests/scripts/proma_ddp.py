@@ -1,0 +1,35 @@
+"""PROMATrainer under a 2-process gloo world (launched by tests/test_proma_ddp.py): one optimizer step per setting of
+`proma_steps.DDP_KNOBS` on rank r's micro-batches `DDP_SEEDS[setting][r]` with a DDP-wrapped model; each rank saves the
+reduced gradients."""
+
+import os
+import sys
+
+import torch
+from accelerate import PartialState
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proma_steps import DDP_KNOBS, DDP_SEEDS, make_trainer, micro_batches, run_step, sketches_by_content  # noqa: E402
+
+from trl_isopo.tiny import load_tiny_tokenizer, make_tiny_model_dir  # noqa: E402
+
+
+def main(out: str):
+    torch.set_num_threads(1)
+    state = PartialState(cpu=True)
+    model_dir = out + ".model"
+    with state.main_process_first():
+        make_tiny_model_dir(model_dir)
+    tokenizer = load_tiny_tokenizer(model_dir)
+    results = {}
+    for setting, knobs in DDP_KNOBS.items():
+        seeds = DDP_SEEDS[setting][state.process_index]
+        trainer = make_trainer(tokenizer, f"{out}.{setting}", ga=len(seeds), **knobs)
+        sketches_by_content(trainer)
+        model = trainer.accelerator.prepare_model(trainer.model)
+        results[setting] = run_step(trainer, micro_batches(tokenizer, seeds), model=model)
+    torch.save({"world_size": state.num_processes, "grads": results}, f"{out}.rank{state.process_index}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

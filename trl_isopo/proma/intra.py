@@ -1,0 +1,195 @@
+"""Intra-micro-batch PROMA (arXiv 2601.10498 v4, abstract: "a factored projection using dominant subspaces of
+activations and gradient outputs ... applied independently within each microbatch") as pure tensor functions.
+
+One covered linear layer and one micro-batch, valid token rows only: X (n, d_in) inputs a_t, D (n, d_out) output
+gradients delta_t of the advantage-free surrogate. A randomized range finder gives orthonormal bases of the
+approximate top-k right-singular subspaces of X and of D:
+
+    k = min(dim, n, d_in, d_out);   Omega_a, Omega_g ~ N(0, 1)^{n x k}, independent
+    Y_a = X^T Omega_a, then q times Y_a <- X^T (X Y_a)      (orthonormalized after every product)   Q_a = basis(Y_a)
+    Y_g = D^T Omega_g, likewise with D                                                               Q_g = basis(Y_g)
+    Pi(M) = Q_g (Q_g^T M Q_a) Q_a^T         the orthogonal projector (Q_a Q_a^T) (x) (Q_g Q_g^T) on (d_out, d_in)
+
+and the projected gradient is M - s_i Pi(M). Orthonormalizing after every product spans the same subspace as the
+reference's single QR of (X^T X)^q X^T Omega in exact arithmetic; in float32 it keeps the smaller directions
+resolvable. Columns the sketch cannot resolve (fewer valid rows than k, rank(X) < k, or a direction below
+`rank_rtol` of the largest) are dropped, i.e. set to zero, instead of the arbitrary columns a QR returns for them:
+Q Q^T stays the orthogonal projector onto the resolved subspace.
+
+Padding: the row of X or of D at a padding position is zero and the other finite (ISOPO's contract); every product
+here masks its (n, k) side, so padding rows never enter X^T X or D^T D and no masked copy of X or D is made. Half
+operands are upcast chunk by chunk (float32 bases and products). No host reads: the rank decision is a device mask.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..isopo.costs import DEFAULT_BUDGET_BYTES
+from ..isopo.precision import stat_dtype
+
+INTRA_TARGETS = ("microbatch", "accumulated", "accumulated_after")
+
+
+def rank_rtol(dtype: torch.dtype) -> float:
+    """Relative threshold on |R_jj| / max_l |R_ll| below which a sketch column counts as unresolved: 1e3 machine
+    epsilons of the basis dtype (float32: 1.2e-4; float64: 2.2e-13), above the rounding of the sketch GEMMs."""
+    return 1e3 * torch.finfo(dtype).eps
+
+
+def sketch_size(dim: int, num_rows: int, d_in: int, d_out: int) -> int:
+    """k = min(dim, rows, d_in, d_out): the number of sketch columns. `num_rows` is B * L (a static bound on the
+    valid rows n; the columns beyond n are dropped on the device)."""
+    return max(0, min(dim, num_rows, d_in, d_out))
+
+
+def draw_sketches(
+    num_rows: int, k: int, generator: torch.Generator, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Omega_a, Omega_g), each (num_rows, k) standard normal, drawn in this order from `generator` (never the
+    global RNG; a CUDA generator for CUDA tensors). Rows follow the flattened (B, L) positions."""
+    Oa = torch.randn(num_rows, k, generator=generator, dtype=dtype, device=device)
+    Og = torch.randn(num_rows, k, generator=generator, dtype=dtype, device=device)
+    return Oa, Og
+
+
+def _chunk_rows(B: int, L: int, d: int, k: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    item = torch.finfo(dtype).bits // 8
+    return max(1, min(L, budget_bytes // max(1, B * (d + k) * item)))
+
+
+def masked_rows_times(
+    T: torch.Tensor, Q: torch.Tensor, mask: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> torch.Tensor:
+    """(B, L, k) rows t_t^T Q at valid positions, exact zeros at padding; T (B, L, d), Q (d, k), mask (B, L).
+    Computed in Q's dtype (half T is upcast chunk by chunk)."""
+    B, L, d = T.shape
+    out = torch.empty(B, L, Q.shape[1], dtype=Q.dtype, device=Q.device)
+    step = _chunk_rows(B, L, d, Q.shape[1], Q.dtype, budget_bytes)
+    for l0 in range(0, L, step):
+        out[:, l0 : l0 + step] = T[:, l0 : l0 + step].to(Q.dtype) @ Q
+    return torch.where(mask.unsqueeze(-1), out, 0.0)
+
+
+def rows_transpose_times(T: torch.Tensor, Z: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """sum_t t_t z_t^T (d, k) for T (B, L, d) and Z (B, L, k) zero at every padding position, in Z's dtype."""
+    B, L, d = T.shape
+    k = Z.shape[-1]
+    out = torch.zeros(k, d, dtype=Z.dtype, device=Z.device)
+    step = _chunk_rows(B, L, d, k, Z.dtype, budget_bytes)
+    for l0 in range(0, L, step):
+        Tc = T[:, l0 : l0 + step].to(Z.dtype).reshape(-1, d)
+        out += Z[:, l0 : l0 + step].reshape(-1, k).T @ Tc  # (k, d): measured 4x faster on CPU than Tc^T @ Z
+    return out.T
+
+
+def orthonormal_columns(Y: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q (d, k), kept (k,) bool): an orthonormal basis of range(Y) for Y (d, k), d >= k, with the unresolved
+    columns set to zero and placed last.
+
+    Two Householder QRs. The first only decides: column j is resolved if |R_jj| > `rank_rtol` * max_l |R_ll| (and
+    `keep[j]`, the previous step's decision: a dropped column stays dropped); R_jj is the distance of y_j from the
+    span of the earlier basis vectors, so (for data in general position) the resolved columns form a basis of
+    range(Y). The second QR runs on the resolved columns moved first (a stable device sort, no host read): a QR
+    meeting a dependent column in the middle returns an arbitrary direction there that later columns may lean on,
+    so dropping it could lose part of range(Y); dependent columns placed last cannot.
+    """
+    r = torch.diagonal(torch.linalg.qr(Y, mode="r")[1]).abs()
+    resolved = r > rank_rtol(Y.dtype) * r.amax()
+    if keep is not None:
+        resolved &= keep
+    order = torch.sort((~resolved).to(torch.uint8), stable=True).indices
+    resolved = resolved[order]
+    Q = torch.linalg.qr(Y[:, order])[0]  # the first columns of a QR span the first columns of its input
+    return torch.where(resolved, Q, 0.0), resolved  # where, not a product: NaN columns become 0 too
+
+
+def range_basis(
+    T: torch.Tensor,
+    mask: torch.Tensor,
+    omega: torch.Tensor,
+    power_iters: int,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q (d, k), kept (k,) bool): orthonormal basis of the approximate top-k right-singular subspace of T's valid
+    rows (the range of (T^T T)^q T^T Omega restricted to valid rows), dropped columns zero.
+
+    Args:
+        T: (B, L, d) rows (layer inputs or output gradients), any float dtype.
+        mask: (B, L) valid positions.
+        omega: (B * L, k) Gaussian sketch in the basis dtype (`draw_sketches`); padding rows are ignored.
+        power_iters: q >= 0.
+    """
+    B, L, _ = T.shape
+    om = torch.where(mask.reshape(-1, 1), omega, 0.0).view(B, L, -1)
+    Q, kept = orthonormal_columns(rows_transpose_times(T, om, budget_bytes))
+    for _ in range(power_iters):
+        Z = masked_rows_times(T, Q, mask, budget_bytes)  # (B, L, k), zero at padding
+        Q, kept = orthonormal_columns(rows_transpose_times(T, Z, budget_bytes), kept)
+    return Q, kept
+
+
+class IntraBasis(NamedTuple):
+    """Q_a (d_in, k), Q_g (d_out, k) orthonormal (dropped columns zero); xq (B, L, k) = X Q_a and dq (B, L, k) =
+    D Q_g at valid positions (zero at padding); rank: scalar tensor, min of the two resolved column counts."""
+
+    Q_a: torch.Tensor
+    Q_g: torch.Tensor
+    xq: torch.Tensor
+    dq: torch.Tensor
+    rank: torch.Tensor
+
+
+def factored_basis(
+    X: torch.Tensor,
+    D: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int,
+    power_iters: int,
+    generator: torch.Generator | None = None,
+    *,
+    sketches: tuple[torch.Tensor, torch.Tensor] | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> IntraBasis:
+    """The two range finders of one layer and micro-batch (module docstring). X (B, L, d_in), D (B, L, d_out),
+    mask (B, L); k = `sketch_size(dim, B * L, d_in, d_out)`; the sketches come from `generator` (`draw_sketches`)
+    unless given as `sketches` ((B L, k) each, tests). Bases in `stat_dtype(X.dtype)` (float32 for half layers)."""
+    B, L, d_in = X.shape
+    d_out = D.shape[-1]
+    dt = stat_dtype(X.dtype)
+    k = sketch_size(dim, B * L, d_in, d_out)
+    if sketches is None:
+        if generator is None:
+            raise ValueError("intra PROMA needs an explicit torch.Generator for its Gaussian sketches")
+        sketches = draw_sketches(B * L, k, generator, dt, X.device)
+    Q_a, kept_a = range_basis(X, mask, sketches[0].to(dt), power_iters, budget_bytes)
+    Q_g, kept_g = range_basis(D, mask, sketches[1].to(dt), power_iters, budget_bytes)
+    xq = masked_rows_times(X, Q_a, mask, budget_bytes)
+    dq = masked_rows_times(D, Q_g, mask, budget_bytes)
+    rank = torch.minimum(kept_a.sum(), kept_g.sum())
+    return IntraBasis(Q_a, Q_g, xq, dq, rank)
+
+
+def sequence_cores(basis: IntraBasis) -> torch.Tensor:
+    """C_i = Q_g^T V_i Q_a = sum_{t in T_i} (Q_g^T delta_t)(Q_a^T a_t)^T for every sequence: (B, k, k).
+
+    Every projected quantity follows from them: Q_g^T (sum_i c_i V_i) Q_a = sum_i c_i C_i and
+    <V_i, Pi(M)> = <C_i, Q_g^T M Q_a>. Cost B L k^2."""
+    return basis.dq.transpose(1, 2) @ basis.xq
+
+
+def core_of(basis: IntraBasis, M: torch.Tensor) -> torch.Tensor:
+    """Q_g^T M Q_a (k, k) for a materialized M (d_out, d_in) (the running gradient)."""
+    return basis.Q_g.T @ (M.to(basis.Q_a.dtype) @ basis.Q_a)
+
+
+def expand_core(basis: IntraBasis, core: torch.Tensor) -> torch.Tensor:
+    """Pi(M) = Q_g core Q_a^T (d_out, d_in) for core = Q_g^T M Q_a."""
+    return (basis.Q_g @ core) @ basis.Q_a.T
+
+
+def project(basis: IntraBasis, M: torch.Tensor) -> torch.Tensor:
+    """Pi(M) (d_out, d_in): the orthogonal projection of M onto span{q_g q_a^T}."""
+    return expand_core(basis, core_of(basis, M))

@@ -1,0 +1,252 @@
+"""One covered linear layer's PROMA step for one micro-batch (arXiv 2601.10498 v4, §2 and the intra variant).
+
+`proma_layer_step` combines the two variants (`accumulation.py`, `intra.py`) into the weight-gradient increment
+that the layer's backward returns, dS_m = S_m - S_{m-1}, as ONE re-weighted GEMM plus at most one rank-k update:
+
+    dS_m = sum_i c_i V_i - s_i Q_g M Q_a^T,        c_i = A_i - s kappa w_i / e_i   (c_i = A_i without accumulation)
+
+with the k x k core M of the intra target, C_i = Q_g^T V_i Q_a (`intra.sequence_cores`):
+
+    "microbatch"        M = sum_i A_i C_i                  (= Q_g^T G_m Q_a)   G~_m = G_m - s_i Pi(G_m) replaces G_m
+    "accumulated"       M = Q_g^T S_{m-1} Q_a              S' = S_{m-1} - s_i Pi(S_{m-1}) is what accumulation fits
+    "accumulated_after" M = Q_g^T S_{m-1} Q_a + sum_i c_i C_i   S_m = S' - s_i Pi(S'), S' = S_{m-1} + G_m - s kappa P_m
+
+For "accumulated", accumulation fits S' instead of S_{m-1}: b_i = <V_i, S_{m-1}> - s_i <C_i, M>. For "microbatch",
+the relative bound compares ||P|| with ||G~_m|| (||G~||^2 = ||G||^2 - (2 s_i - s_i^2) ||M||^2). Each form is checked
+against a dense float64 oracle in tests/test_proma_*.py.
+
+Micro-batches before the skip gate (`projection_active`) get dS_m = G_m (neither variant). The running gradient is
+per process (one chain per rank, docs/proma.md); its dtype is the statistics dtype (float32 for half layers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..isopo.costs import DEFAULT_BUDGET_BYTES, ROUTES
+from ..isopo.precision import matmul_f32, stat_dtype
+from ..isopo.statistics import sequence_statistics
+from ..isopo.weight_grad import reweighted_weight_grad
+from .accumulation import SOLVERS, accumulation_coefficients, dense_accumulation_step, running_overlaps
+from .intra import INTRA_TARGETS, core_of, factored_basis, sequence_cores
+
+MODES = ("accumulation", "intra", "both")
+# Order of the entries of `PROMAStep.metrics` (a device vector, reduced by the caller at logging time).
+METRIC_NAMES = (
+    "active",  # 1 if this micro-batch was projected (after the skip gate), else 0 (and every other entry 0)
+    "running_norm",  # ||S_{m-1}|| (of S' for intra_target="accumulated")
+    "projected_fraction",  # kappa ||P_m|| / ||S_{m-1}||: the part of S lying in the micro-batch's span (ridge fit)
+    "bound_factor",  # kappa (1 when the relative bound is off or inactive)
+    "reduction_pct",  # 100 (1 - ||S - s kappa P|| / ||S||): the reference's norm-reduction metric
+    "intra_rank",  # resolved sketch columns (min over the two bases)
+    "intra_fraction",  # ||Pi(T)|| / ||T|| of the intra target T
+    "intra_reduction_pct",  # 100 (1 - ||T - s_i Pi(T)|| / ||T||)
+)
+
+
+@dataclass(frozen=True)
+class PROMASettings:
+    """The math knobs (documented on `PROMAConfig`). budget_bytes bounds chunked intermediates."""
+
+    mode: str = "accumulation"
+    shrinkage: float = 1.0
+    ridge: float = 1e-2
+    solver: str = "solve"
+    sweeps: int = 2
+    relative_bound: float | None = None
+    intra_dim: int = 30
+    intra_power_iters: int = 1
+    intra_shrinkage: float = 1.0
+    intra_target: str = "microbatch"
+    route: str = "auto"
+    budget_bytes: int = DEFAULT_BUDGET_BYTES
+
+    def __post_init__(self):
+        for name, value, choices in (("mode", self.mode, MODES), ("solver", self.solver, SOLVERS),
+                                     ("intra_target", self.intra_target, INTRA_TARGETS), ("route", self.route, ROUTES)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+    @property
+    def accumulation(self) -> bool:
+        return self.mode in ("accumulation", "both")
+
+    @property
+    def intra(self) -> bool:
+        return self.mode in ("intra", "both")
+
+    def accumulation_knobs(self) -> dict:
+        return dict(shrinkage=self.shrinkage, ridge=self.ridge, solver=self.solver, sweeps=self.sweeps,
+                    relative_bound=self.relative_bound)
+
+
+def projection_active(index: int, num_micro_batches: int, skip_fraction: float) -> bool:
+    """The skip gate: micro-batch `index` (0-based within the optimizer step) of `num_micro_batches` is projected
+    iff index >= skip_fraction * num_micro_batches (host integers only; the earlier ones are summed plainly)."""
+    return index >= skip_fraction * num_micro_batches
+
+
+def sketch_seed(*key: int) -> int:
+    """A 63-bit seed for the intra sketches of one layer call from integers such as (seed, process index, global
+    step, micro-batch index, layer index): a fixed hash, so runs are reproducible and calls independent."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class PROMAStep(NamedTuple):
+    """What `proma_layer_step` returns, in `stat_dtype(X.dtype)`.
+
+    grad_weight: (d_out, d_in) dS_m, the weight gradient the backward returns (autograd accumulation then sums
+    the increments into S_M). grad_bias: (d_out,) or None. running / running_bias: S_m (and the bias's), new tensors
+    (never aliasing grad_weight). metrics: (len(METRIC_NAMES),) float32 device vector.
+    """
+
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor | None
+    running: torch.Tensor
+    running_bias: torch.Tensor | None
+    metrics: torch.Tensor
+
+
+@dataclass
+class PROMALayerState:
+    """The running gradients of one covered layer on this process: S (d_out, d_in) and the bias's (d_out,), None
+    before the first micro-batch of an optimizer step. The owner resets it at every optimizer step."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.weight = self.bias = None
+
+    def update(self, step: PROMAStep) -> None:
+        self.weight, self.bias = step.running, step.running_bias
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
+
+
+def _reduction_pct(sq_before: torch.Tensor, sq_after: torch.Tensor) -> torch.Tensor:
+    return 100.0 * (1.0 - _ratio(sq_after.clamp_min(0).sqrt(), sq_before.clamp_min(0).sqrt())) * (sq_before > 0)
+
+
+def _sq(M: torch.Tensor) -> torch.Tensor:
+    """||M||^2 as a float64 scalar (a reduction in M's dtype: no float64 copy of a weight-sized M)."""
+    return torch.linalg.vector_norm(M).to(torch.float64).square()
+
+
+def proma_layer_step(
+    X: torch.Tensor,
+    G: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    settings: PROMASettings,
+    *,
+    running: torch.Tensor | None = None,
+    running_bias: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    active: bool = True,
+    has_bias: bool = False,
+    stats=None,
+    sketches: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scratch=None,
+) -> PROMAStep:
+    """PROMA weight-gradient increment of one covered linear layer for one micro-batch (module docstring).
+
+    Args:
+        X: (B, L, d_in) layer inputs; G: (B, L, d_out) output gradients of the advantage-free surrogate (so that
+            sum_i A_i V_i is the micro-batch's policy gradient), float64 / float32 / bf16 / fp16. At every padding
+            position the row of X or of G is zero and the other finite (ISOPO's layer contract).
+        mask: (B, L) bool valid positions. advantages: (B,) A_i.
+        settings: `PROMASettings`.
+        running: (d_out, d_in) S_{m-1} of this layer on this process, None at the first micro-batch of the step.
+        running_bias: (d_out,) the bias's running gradient (accumulation PROMA per parameter tensor), or None.
+        generator: torch.Generator for the intra sketches (needed when the intra variant runs and `sketches` is None).
+        active: the skip gate's decision (`projection_active`); False gives dS = G_m.
+        has_bias: also return the bias gradient: accumulation PROMA of the bias tensor on its own per-sequence
+            gradients sum_{t in T_i} delta_t (the intra variant leaves it as is).
+        stats: ISOPO `SequenceStats` with `ntk` already computed for this layer (else computed here when needed).
+        sketches: (Omega_a, Omega_g) to use instead of drawing from `generator` (tests).
+        scratch: ISOPO `Scratch` for the statistics' large temporaries.
+    """
+    s = settings
+    sdt = stat_dtype(X.dtype)
+    f64 = torch.float64
+    A = advantages.to(device=X.device, dtype=sdt)
+    S = None if running is None else running.to(sdt)
+    zero = torch.zeros((), dtype=f64, device=X.device)
+    m = dict.fromkeys(METRIC_NAMES, zero)
+    acc = active and s.accumulation and S is not None
+    intra = active and s.intra
+    c = A.to(f64)
+    s_sq = None if S is None else _sq(S)
+    basis = cores = M_S = None
+    if intra:
+        basis = factored_basis(X, G, mask, s.intra_dim, s.intra_power_iters, generator, sketches=sketches,
+                               budget_bytes=s.budget_bytes)
+        cores = sequence_cores(basis)
+        if S is not None and s.intra_target != "microbatch":
+            M_S = core_of(basis, S)
+    si = s.intra_shrinkage
+    shrink = 2 * si - si * si  # ||T - s_i Pi T||^2 = ||T||^2 - shrink ||Pi T||^2 (Pi an orthogonal projector)
+    if acc:
+        if stats is None or stats.ntk is None:
+            stats = sequence_statistics(X, G, None, False, True, s.route, s.budget_bytes, False, mask, scratch)
+        K = stats.ntk.to(f64)
+        b_raw = running_overlaps(X, G, S, stats.V, s.budget_bytes).to(f64)
+        g_sq, fit_sq = None, s_sq
+        if intra and s.intra_target == "accumulated":  # accumulation fits S' = S - s_i Pi(S)
+            b_raw = b_raw - si * (cores * M_S).sum((1, 2)).to(f64)
+            fit_sq = s_sq - shrink * _sq(M_S)
+        elif intra and s.intra_target == "microbatch":  # the bound compares with ||G~||
+            g_sq = A.to(f64) @ K @ A.to(f64) - shrink * _sq(torch.einsum("b,bij->ij", A, cores))
+        co = accumulation_coefficients(K, b_raw, A, g_sq_norm=g_sq, **s.accumulation_knobs())
+        c = co.coefficients
+        removed = s.shrinkage * co.kappa
+        after_sq = fit_sq - 2 * removed * co.p_dot_s + removed * removed * co.p_norm * co.p_norm
+        fit_norm = fit_sq.clamp_min(0).sqrt()
+        m.update(running_norm=fit_norm, projected_fraction=_ratio(co.kappa * co.p_norm, fit_norm),
+                 bound_factor=co.kappa, reduction_pct=_reduction_pct(fit_sq, after_sq))
+    gw, _ = reweighted_weight_grad(X, G, c.to(sdt), stats if acc else None)
+    if intra:
+        target = s.intra_target
+        if target == "microbatch":
+            M = torch.einsum("b,bij->ij", A, cores)
+            t_sq = A.to(f64) @ K @ A.to(f64) if acc else _sq(gw)  # ||G_m||^2 (gw = G_m when c = A)
+        elif target == "accumulated":
+            M = torch.zeros_like(cores[0]) if M_S is None else M_S
+            t_sq = zero if S is None else s_sq
+        else:
+            M = torch.einsum("b,bij->ij", c.to(sdt), cores) + (0.0 if M_S is None else M_S)
+            after = gw.clone() if S is None else S + gw  # S' (becomes S_m below)
+            t_sq = _sq(after)
+        low = basis.Q_g @ M
+        gw.addmm_(low, basis.Q_a.T, alpha=-si)
+        m_sq = _sq(M)
+        m.update(intra_rank=basis.rank.to(f64), intra_fraction=_ratio(m_sq.sqrt(), t_sq.clamp_min(0).sqrt()),
+                 intra_reduction_pct=_reduction_pct(t_sq, t_sq - shrink * m_sq))
+    if active:
+        m["active"] = torch.ones((), dtype=f64, device=X.device)
+    gb = new_bias = None
+    if has_bias:
+        if stats is not None and stats.bias_per_seq is not None:
+            per_seq = stats.bias_per_seq.to(sdt)
+        else:  # (B, 1, L) @ (B, L, d_out): masked per-sequence sums, float32-accumulated for half G
+            per_seq = matmul_f32(mask.to(G.dtype).unsqueeze(1), G).squeeze(1).to(sdt)
+        bias_running = None if running_bias is None else running_bias.to(sdt)
+        if active and s.accumulation:
+            gb, _ = dense_accumulation_step(per_seq, A, bias_running, **s.accumulation_knobs())
+        else:
+            gb = A @ per_seq
+        new_bias = gb.clone() if bias_running is None else bias_running + gb
+    if intra and s.intra_target == "accumulated_after":
+        new_running = after.addmm_(low, basis.Q_a.T, alpha=-si)
+    else:
+        new_running = gw.clone() if S is None else S + gw
+    metrics = torch.stack([m[name] for name in METRIC_NAMES]).to(torch.float32)
+    return PROMAStep(gw, gb, new_running, new_bias, metrics)

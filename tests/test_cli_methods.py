@@ -11,42 +11,17 @@ import sys
 import pytest
 import torch
 
+from cli_support import CPU, ROWS, fresh_accelerate_state, jsonl, small_run  # noqa: F401  (fixtures)
+
 from trl_isopo import cli
 from trl_isopo.scripts import launch
+from trl_isopo.gym import build as gym_build
+from trl_isopo.gym import reward_names
 from trl_isopo.scripts import train as train_script
+from trl_isopo.scripts import train_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU = [] if torch.cuda.is_available() else ["--use_cpu", "true"]
 METHODS = ["isopo", "tpo", "grpo"]
-ROWS = [
-    {"prompt": [{"role": "user", "content": f"count : {' '.join('abcdefgh'[: n + 1])}"}], "solution": f"${n + 1}$"}
-    for n in range(8)
-]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, PartialState
-
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    PartialState._reset_state()
-
-
-@pytest.fixture
-def jsonl(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    return str(path)
-
-
-def small_run(model_dir, data, out, steps=2):
-    return [
-        "--model_name_or_path", model_dir, "--dataset_name", data, "--output_dir", str(out),
-        "--max_steps", str(steps), "--per_device_train_batch_size", "4", "--num_generations", "2",
-        "--max_completion_length", "8", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1",
-        "--dtype", "float32", "--bf16", "false", "--disable_tqdm", "true", "--seed", "0",
-    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ training runs
@@ -105,7 +80,7 @@ def test_num_processes_2_starts_a_two_process_gloo_run(tiny_model_dir, jsonl, tm
 def test_launch_arguments_are_split_from_training_arguments(tiny_model_dir, jsonl, tmp_path):
     argv = [*small_run(tiny_model_dir, jsonl, tmp_path), *CPU, "--reward_funcs", "accuracy_reward",
             "--num_processes", "4", "--accelerate_config", "zero2", "--isopo_p", "-0.5"]  # fmt: skip
-    (script_args, training_args, *_), launch_args, training_argv = train_script.parse_args(
+    (script_args, training_args, *_), launch_args, training_argv = train_args.parse_args(
         argv, "isopo", return_launch_args=True
     )
     assert launch_args == ["--num_processes", "4", "--accelerate_config", "zero2"]
@@ -127,28 +102,28 @@ def test_yaml_launch_keys_are_launch_arguments(tiny_model_dir, jsonl, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset_name: {jsonl}\nreward_funcs: [accuracy_reward]\n"
                       "num_processes: 2\nbf16: false\n")  # fmt: skip
-    _, launch_args, _ = train_script.parse_args(["--config", str(recipe), *CPU], "tpo", return_launch_args=True)
+    _, launch_args, _ = train_args.parse_args(["--config", str(recipe), *CPU], "tpo", return_launch_args=True)
     assert launch_args == ["--num_processes", "2"]
 
 
 def test_clear_errors(tiny_model_dir, jsonl, tmp_path):
     base = [*small_run(tiny_model_dir, jsonl, tmp_path), *CPU]
     with pytest.raises(ValueError, match=r"neither training arguments .* nor `accelerate launch`"):
-        train_script.parse_args([*base, "--reward_funcs", "accuracy_reward", "--isopo_pp", "1"], "isopo")
+        train_args.parse_args([*base, "--reward_funcs", "accuracy_reward", "--isopo_pp", "1"], "isopo")
     with pytest.raises(ValueError, match="drop it or run `trl-isopo tpo`"):
-        train_script.parse_args([*base, "--method", "tpo"], "isopo")
+        train_args.parse_args([*base, "--method", "tpo"], "isopo")
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text("method: grpo\n")
     with pytest.raises(ValueError, match="got method 'grpo'"):
-        train_script.parse_args(["--config", str(recipe), *base], "isopo")
+        train_args.parse_args(["--config", str(recipe), *base], "isopo")
     no_data = [a for a in base if a != jsonl and a != "--dataset_name"]
     with pytest.raises(ValueError, match="No training data"):
-        train_script.parse_args([*no_data, "--reward_funcs", "accuracy_reward"], "isopo")
+        train_args.parse_args([*no_data, "--reward_funcs", "accuracy_reward"], "isopo")
     with pytest.raises(ValueError, match="No reward"):
-        train_script.parse_args(base, "grpo")
+        train_args.parse_args(base, "grpo")
     # A known knob of another method is not silently passed on.
     with pytest.raises(ValueError, match="Unknown argument"):
-        train_script.parse_args([*base, "--reward_funcs", "accuracy_reward", "--tpo_eta", "1"], "isopo")
+        train_args.parse_args([*base, "--reward_funcs", "accuracy_reward", "--tpo_eta", "1"], "isopo")
 
 
 def test_dataset_without_prompt_or_answer_column_fails_before_the_model_loads(tmp_path):
@@ -158,15 +133,15 @@ def test_dataset_without_prompt_or_answer_column_fails_before_the_model_loads(tm
         return ["--model_name_or_path", "/nonexistent", "--dataset_name", str(data), "--reward_funcs", *rewards,
                 "--output_dir", str(tmp_path / "o"), "--bf16", "false", *CPU]  # fmt: skip
 
-    script_args, training_args, model_args, dataset_args = train_script.parse_args(argv("accuracy_reward"), "grpo")
+    script_args, training_args, model_args, dataset_args = train_args.parse_args(argv("accuracy_reward"), "grpo")
     with pytest.raises(ValueError, match=r"no `prompt` column .*rename_column\('question', 'prompt'\)"):
-        train_script.build_generic_data(script_args, training_args, dataset_args)
+        gym_build.build_generic_data(script_args, training_args, dataset_args)
     data.write_text('{"prompt": "1+1", "solution": "2"}\n')
-    script_args, training_args, model_args, dataset_args = train_script.parse_args(
+    script_args, training_args, model_args, dataset_args = train_args.parse_args(
         argv("accuracy_reward", "last_number"), "grpo"
     )
     with pytest.raises(ValueError, match=r"\['last_number'\] compare .* `answer` column"):
-        train_script.build_generic_data(script_args, training_args, dataset_args)
+        gym_build.build_generic_data(script_args, training_args, dataset_args)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "save_to_disk", "folder"])
@@ -211,12 +186,12 @@ def test_trl_dataset_mixture_from_yaml(tiny_model_dir, jsonl, tmp_path):
         f"datasets:\n  - path: json\n    data_files: {jsonl}\n  - path: json\n    data_files: {jsonl}\n"
         "test_split_size: 0.25\n"
     )
-    script_args, training_args, _, dataset_args = train_script.parse_args(
+    script_args, training_args, _, dataset_args = train_args.parse_args(
         ["--config", str(recipe), "--output_dir", str(tmp_path / "o"), "--eval_strategy", "steps", "--bf16", "false",
          *CPU],
         "isopo",
     )
-    train, evaluation, hub, description = train_script.build_generic_data(script_args, training_args, dataset_args)
+    train, evaluation, hub, description = gym_build.build_generic_data(script_args, training_args, dataset_args)
     assert len(train) + len(evaluation) == 2 * len(ROWS) and len(evaluation) == 4
     assert hub is None and "mixture" in description
 
@@ -226,15 +201,15 @@ def test_trl_reward_names_resolve_to_trl_functions(tiny_model_dir, jsonl, tmp_pa
 
     argv = [*small_run(tiny_model_dir, jsonl, tmp_path), *CPU, "--reward_funcs", "think_format_reward",
             "get_soft_overlong_punishment", "trl_isopo.gym.format_reward"]  # fmt: skip
-    script_args, training_args, *_ = train_script.parse_args(argv, "tpo")
-    funcs = train_script.resolve_reward_funcs(script_args, training_args, None)
+    script_args, training_args, *_ = train_args.parse_args(argv, "tpo")
+    funcs = reward_names.resolve_reward_funcs(script_args, training_args, None)
     from trl_isopo.gym import format_reward
 
     assert funcs[0] is rewards.think_format_reward and funcs[2] is format_reward
     script_args.reward_funcs = ["last_number", "answer", "format"]
     from trl_isopo import gym
 
-    assert train_script.resolve_reward_funcs(script_args, training_args, None) == [
+    assert reward_names.resolve_reward_funcs(script_args, training_args, None) == [
         gym.gsm8k_last_number_reward, gym.gsm8k_answer_reward, gym.format_reward]
     # The soft overlong punishment uses the run's length: 0 up to 80 % of it, -1 at the limit.
     assert funcs[1](completion_ids=[[0] * 6, [0] * 8]) == [0.0, -1.0]

@@ -6,21 +6,14 @@ import math
 
 import pytest
 
-from trl_isopo.lab.methods import DEMO_METHODS, available
+from trl_isopo.methods import METHODS
+from trl_isopo.scripts.demo import DEMO_METHODS
 
-FOUR = ["grpo", "reinforce", "isopo-reg0-kl", "tpo"]
-
-
-def _require_trainers():
-    # Guard only for the period before ISOPO/TPO land; by the end all four must import (see the final assert below).
-    missing = [m for m in FOUR if not available(m)]
-    if missing:
-        pytest.skip(f"trainers not importable yet: {missing}")
+FOUR = ["grpo-kl", "reinforce", "isopo-kl", "tpo"]
 
 
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
-    _require_trainers()
     from trl_isopo.cli import main
 
     out = tmp_path_factory.mktemp("demo")
@@ -47,7 +40,7 @@ def test_quick_demo_outputs(quick_demo):
     # Each method in its own regime (ISOPO and REINFORCE 1 step per rollout batch, GRPO and TPO 4 epochs), all with
     # the same rollouts per episode and episodes, i.e. the same number of generated completions.
     epochs = {r["method"]: r["setting"]["epochs"] for r in results}
-    assert epochs == {"grpo": 4, "reinforce": 1, "isopo-reg0-kl": 1, "tpo": 4}
+    assert epochs == {"grpo-kl": 4, "reinforce": 1, "isopo-kl": 1, "tpo": 4}
     assert len({(r["setting"]["episodes"], r["setting"]["prompts_per_step"], r["setting"]["group_size"])
                 for r in results}) == 1
     # Same seed -> same initial model, prompts and sampling RNG: the first rollouts are identical for every method.
@@ -66,7 +59,6 @@ def test_quick_demo_outputs(quick_demo):
 
 
 def test_compare_resumes(tmp_path):
-    _require_trainers()
     from trl_isopo.scripts.compare import load_results, main
 
     path = tmp_path / "r.jsonl"
@@ -86,11 +78,12 @@ def test_compare_resumes(tmp_path):
 
 
 def test_regimes_and_overrides():
-    from trl_isopo.lab.methods import get_method, parse_method_values, regime
+    from trl_isopo.lab.regime import parse_method_values, regime
+    from trl_isopo.methods import get_method
 
     assert [get_method(m).epochs for m in FOUR] == [4, 1, 1, 4]
-    assert get_method("isopo").epochs == 1 and get_method("grpo-nokl").epochs == 4
-    assert all(get_method(m).epochs == 1 for m in ("isopo-reg0", "isopo-q0", "isopo-c0.1", "isopo-ema-median"))
+    assert get_method("isopo-c1").epochs == 1 and get_method("grpo").epochs == 4
+    assert all(get_method(m).epochs == 1 for m in ("isopo", "isopo-q", "isopo-c0.1", "isopo-ema-median"))
     assert regime("isopo", 4, 1e-3) == (1, 1e-3)  # the method's own
     assert regime("isopo", 4, 1e-3, epochs=4) == (4, 1e-3)  # --epochs for every method
     assert regime("isopo", 4, 1e-3, epochs=4, method_epochs={"isopo": 2}, method_lr={"isopo": 3e-3}) == (2, 3e-3)
@@ -135,7 +128,6 @@ def test_results_table_shows_every_seed():
 
 def test_fresh_process_runs_match_in_process(tmp_path):
     """--workers >= 1 trains each run in a fresh process; a first run there equals the same run in this process."""
-    _require_trainers()
     from trl_isopo.lab.cli_common import make_progress, run_jobs
     from trl_isopo.lab.runner import Setting, train_one
 
@@ -171,25 +163,22 @@ def test_unknown_method_fails_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_h4_benchmark_tpo_learns(tmp_path):
-    """tpo-spec §7.12 on the lab (terminal H=4, B=100, K=8, AdamW): TPO < 0.2 error by episode 50, < 0.1 by 100.
+    """The TPO paper's cheap benchmark on the lab (terminal H=4, B=100, K=8, AdamW; docs/reproduction.md, section 1):
+    TPO < 0.2 error by episode 50, < 0.1 by 100.
 
-    The spec's "beats GRPO" clause is not asserted: with TRL's GRPO and AdamW the ordering at H=4 depends on the seed
+    "Beats GRPO" is not asserted: with TRL's GRPO and AdamW the ordering at H=4 depends on the seed
     (docs/reproduction.md, section 2).
     """
-    _require_trainers()
     from trl_isopo.lab.runner import Setting, train_one
 
     tpo = train_one("tpo", 0, Setting(episodes=100, prompts_per_step=100, optimizer="adamw"))
     assert min(tpo["exact_error"][:50]) < 0.2 and min(tpo["exact_error"][:100]) < 0.1
 
 
-@pytest.mark.parametrize("method", ["grpo-nokl", "tpo-no-anchor", "isopo-q", "isopo-fig6", "isopo-interacting",
-                                    "isopo-reg0", "isopo-q0", "isopo-c0.1", "isopo-c0.01", "isopo-ema-median",
-                                    "isopo-batch-median"])
+@pytest.mark.parametrize("method", sorted(set(METHODS) - set(FOUR)))
 def test_every_registered_setting_trains(method):
-    """The ablations and ISOPO's named settings construct valid configs and run through their trainers."""
-    if not available(method):
-        pytest.skip(f"{method} not importable yet")
+    """Every other method of the table (ablations, ISOPO's named settings) constructs a valid config and runs through
+    its trainer (the demo's four run in `quick_demo`)."""
     from trl_isopo.lab.runner import Setting, train_one
 
     r = train_one(method, 0, Setting(episodes=2, prompts_per_step=2, kl_prompts=4, kl_samples=2))
@@ -197,8 +186,9 @@ def test_every_registered_setting_trains(method):
 
 
 def test_micro_batching():
-    from trl_isopo.lab.methods import get_method
+    from trl_isopo.lab.regime import micro_batch_prompts
     from trl_isopo.lab.runner import micro_batching
+    from trl_isopo.methods import get_method
 
     assert micro_batching(100, None) == (100, 1)
     assert micro_batching(100, 10) == (10, 10)
@@ -206,4 +196,6 @@ def test_micro_batching():
     assert micro_batching(16, 10) == (8, 2)
     assert micro_batching(7, 10) == (7, 1)
     assert micro_batching(7, 3) == (1, 7)
-    assert get_method("isopo").micro_batch_prompts == 10 and get_method("tpo").micro_batch_prompts is None
+    assert micro_batch_prompts(get_method("isopo")) == 10 and micro_batch_prompts(get_method("tpo")) is None
+    # PROMA: ISOPO-sized micro-batches, and at least two per step (accumulation projects against earlier ones)
+    assert micro_batch_prompts(get_method("proma"), 50) == 10 and micro_batch_prompts(get_method("proma"), 2) == 1

@@ -1,4 +1,4 @@
-"""Task generators of the lab (TPO paper §3): targets, text form, datasets."""
+"""Task generators of the lab (arXiv 2604.06159 §3): targets, text form, datasets."""
 
 import numpy as np
 import pytest

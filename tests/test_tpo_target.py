@@ -1,4 +1,4 @@
-"""Unit tests of the TPO math (tpo-spec.md §7): oracles are closed forms, float64 brute force and limits."""
+"""Unit tests of the TPO math (docs/tpo.md): oracles are closed forms, float64 brute force and limits."""
 
 import math
 import random
@@ -329,7 +329,7 @@ def test_subset_softmax_differs_from_whole_group():
 
 
 def test_mean_over_groups_is_invariant_to_equal_micro_batches():
-    """Loss scale (§7.7): mean over equal-size chunks of groups / number of chunks = mean over all groups."""
+    """Loss scale: mean over equal-size chunks of groups / number of chunks = mean over all groups."""
     g = torch.Generator().manual_seed(7)
     l = torch.randn(8, 4, generator=g, dtype=F64, requires_grad=True)
     q = tpo_target(l.detach(), standardize_group_scores(torch.randn(8, 4, generator=g, dtype=F64)))

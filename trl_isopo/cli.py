@@ -1,6 +1,6 @@
 """`trl-isopo` console script (no command prints this help).
 
-`isopo`, `tpo`, `grpo`: TRL's `trl grpo` arguments for each method (`trl_isopo.scripts.train`, method fixed);
+`isopo`, `tpo`, `proma`, `grpo`: TRL's `trl grpo` arguments for each method (`trl_isopo.scripts.train`, method fixed);
 `train`: a YAML recipe naming its method; `real`, `demo`, `compare`: this package's experiments. Each command lives
 in a module exposing `main(argv)`. Also runnable as `python -m trl_isopo.cli ...` and
 `accelerate launch -m trl_isopo.cli <command> ...`.
@@ -14,6 +14,7 @@ from importlib import import_module
 COMMANDS = {
     "isopo": ("trl_isopo.scripts.train", "train with ISOPO; the arguments of TRL's `trl grpo` plus ISOPO's knobs"),
     "tpo": ("trl_isopo.scripts.train", "train with TPO; the arguments of TRL's `trl grpo` plus TPO's knobs"),
+    "proma": ("trl_isopo.scripts.train", "train with PROMA; the arguments of TRL's `trl grpo` plus PROMA's knobs"),
     "grpo": ("trl_isopo.scripts.train", "train with TRL's GRPO (baseline), same arguments and data options"),
     "real": ("trl_isopo.scripts.real", "RL fine-tuning of SmolLM2-135M-Instruct on a Reasoning Gym arithmetic task"),
     "demo": ("trl_isopo.scripts.demo", "GRPO vs REINFORCE vs ISOPO vs TPO on a tiny offline toy task (random-init model)"),
@@ -21,7 +22,7 @@ COMMANDS = {
     "train": ("trl_isopo.scripts.train", "train from a YAML recipe (GRPO, ISOPO or TPO), accelerate-launchable"),
 }
 
-METHOD_COMMANDS = ("isopo", "tpo", "grpo")
+METHOD_COMMANDS = ("isopo", "tpo", "proma", "grpo")
 
 
 def _usage() -> str:

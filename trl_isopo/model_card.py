@@ -17,27 +17,19 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from trl_isopo.methods import get_method
+
 TRAINING_COMMAND_HEADING = "## Training command"
-
-def _trainer_class(method: str):
-    from trl import GRPOTrainer
-
-    from trl_isopo import ISOPOTrainer, TPOTrainer
-
-    classes = {"grpo": GRPOTrainer, "isopo": ISOPOTrainer, "tpo": TPOTrainer}
-    if method not in classes:
-        raise ValueError(f"Unknown method {method!r}; expected one of {sorted(classes)}.")
-    return classes[method]
 
 
 def method_tags(method: str) -> list[str]:
-    """Hub tags: `trl`, `trl-isopo` and the trainer's own `_tag_names` (the single source of truth)."""
-    return list(dict.fromkeys(["trl", "trl-isopo", *_trainer_class(method)._tag_names]))
+    """Hub tags: `trl`, `trl-isopo` and the method's trainer's own `_tag_names` (the single source of truth)."""
+    return list(dict.fromkeys(["trl", "trl-isopo", *get_method(method).trainer_cls._tag_names]))
 
 
 def method_paper(method: str) -> dict:
-    """`{"title", "id", "citation"}` of a method's paper: the trainer's own `_paper`."""
-    return _trainer_class(method)._paper
+    """`{"title", "id", "citation"}` of a method's paper: its trainer's own `_paper`."""
+    return get_method(method).trainer_cls._paper
 
 
 def format_command(argv: Sequence[str] | None = None, prog: str = "trl-isopo train") -> str:

@@ -11,7 +11,7 @@
 Importing this package does not import `reasoning_gym`; the Reasoning Gym functions do, on first use.
 """
 
-from .gsm8k import extract_gsm8k_gold, gsm8k_answer_reward, load_gsm8k, parse_number
+from .gsm8k import extract_gsm8k_gold, gsm8k_answer_reward, gsm8k_last_number_reward, load_gsm8k, parse_number
 from .reasoning_gym_data import (
     build_reasoning_gym_dataset,
     make_procedural_dataset,
@@ -24,7 +24,6 @@ from .rewards import (
     completion_text,
     extract_last_number,
     format_reward,
-    gsm8k_last_number_reward,
 )
 
 __all__ = [

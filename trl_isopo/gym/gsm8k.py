@@ -4,9 +4,10 @@ Data: rows with `question` and `answer` (the GSM8K solution ending in `#### <num
 columns `prompt` (conversational: system prompt + question, or chat-template text with a tokenizer), `answer` (the
 gold number as a string, e.g. `"1200"`) and `solution` (the original answer text).
 
-Reward (`gsm8k_answer_reward`): 1.0 iff the completion's last `<answer>...</answer>` block is a single number equal
-to the gold number, else 0.0. Before comparing, `$`, thousands separators `,`, surrounding whitespace and one trailing
-`.` are removed; numbers compare as decimals (`72` == `72.0` == `$72`, `1,200` == `1200`; `72 apples` scores 0).
+Reward (`gsm8k_answer_reward`; `gsm8k_last_number_reward` reads the completion's last number instead): 1.0 iff the
+completion's last `<answer>...</answer>` block is a single number equal to the gold number, else 0.0. Before comparing,
+`$`, thousands separators `,`, surrounding whitespace and one trailing `.` are removed; numbers compare as decimals
+(`72` == `72.0` == `$72`, `1,200` == `1200`; `72 apples` scores 0).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from decimal import Decimal, InvalidOperation
 
 from .loading import load_split
 from .reasoning_gym_data import DEFAULT_SYSTEM_PROMPT, make_prompt_messages, render_prompt
-from .rewards import completion_text
+from .rewards import completion_text, extract_last_number
 
 _ANSWER_BLOCK = re.compile(r"<answer>\s?(.*?)\s?</answer>", flags=re.DOTALL)
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
@@ -66,6 +67,11 @@ def numeric_match_rewards(completions, answer, extract) -> list[float]:
 def gsm8k_answer_reward(completions, answer, **kwargs) -> list[float]:
     """Exact numeric match of the last `<answer>` block against the `answer` column (gold number or full solution)."""
     return numeric_match_rewards(completions, answer, extract_answer_block)
+
+
+def gsm8k_last_number_reward(completions, answer, **kwargs) -> list[float]:
+    """Exact numeric match of the completion's last number against the `answer` column (1.0 / 0.0)."""
+    return numeric_match_rewards(completions, answer, extract_last_number)
 
 
 def load_gsm8k(

@@ -1,6 +1,6 @@
 """Reasoning Gym datasets for TRL: any registered task or a composite of several, offline and procedural.
 
-Reasoning Gym 0.1.25 facts this module relies on (checked, see `../shared/docs/ecosystem.md` §3):
+Reasoning Gym 0.1.25 facts this module relies on (checked against that release; tests/test_gym.py guards them):
 
 - `reasoning_gym.create_dataset(name, size=, seed=, **config)` builds the task's config dataclass, validates it and
   returns a `ProceduralDataset`; item `i` is regenerated deterministically from `(seed, i)`.

@@ -7,8 +7,9 @@
   graph_color 1.0 / 0.01 (parses as JSON, wrong) / 0.0; knights_knaves 1.0 / 0.3 + 0.7*fraction / 0.0.
 - `format_reward`: 1.0 when the completion contains exactly one non-empty `<answer>...</answer>` block and nothing but
   whitespace after it, else 0.0 (free reasoning text, with or without `<think>` tags, may precede it).
-- `ReasoningGymLastNumberReward(procedural)` / `gsm8k_last_number_reward`: the same scores, but the answer is the
-  *last number* in the completion (`extract_last_number`), for small models that do not use `<answer>` tags.
+- `ReasoningGymLastNumberReward(procedural)`: the same scores, but the answer is the *last number* in the completion
+  (`extract_last_number`), for small models that do not use `<answer>` tags (`gsm8k.gsm8k_last_number_reward` does
+  the same for GSM8K).
 """
 
 from __future__ import annotations
@@ -140,9 +141,3 @@ class ReasoningGymLastNumberReward(ReasoningGymAnswerReward):
         entry = _decode_entry(entry)
         return float(self._scorer(entry["metadata"]["source_dataset"])(answer, entry))
 
-
-def gsm8k_last_number_reward(completions, answer, **kwargs) -> list[float]:
-    """GSM8K exact numeric match of the completion's last number against the `answer` column (1.0 / 0.0)."""
-    from .gsm8k import numeric_match_rewards
-
-    return numeric_match_rewards(completions, answer, extract_last_number)

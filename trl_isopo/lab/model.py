@@ -1,11 +1,11 @@
 """The TPO paper's tiny transformer as a transformers causal LM whose action space is exactly the V task symbols.
 
-Architecture (tpo-spec §3; reference `models.py::CausalTransformer`): pre-norm decoder, d_model 64, 2 layers, 2 heads,
-4x MLP with (tanh-approximated, Flax's default) GELU, final LayerNorm, learned positional embeddings, a linear head,
-no dropout. We build it on transformers' GPTBigCode with `multi_query=False` (= GPT-2 with `nn.Linear` projections
-that keep the (batch, time, features) layout, so ISOPO's per-`nn.Linear` per-sequence statistics cover every matrix
-but the head; OPT flattens rows and GPT-2 uses Conv1D), untied, in a registered subclass. Positions are
-`arange(T)` (not mask-aware): fine here, every prompt has exactly H tokens, so nothing is ever padded.
+Architecture (arXiv 2604.06159 §3; its reference code's `models.py::CausalTransformer`): pre-norm decoder, d_model 64,
+2 layers, 2 heads, 4x MLP with (tanh-approximated, Flax's default) GELU, final LayerNorm, learned positional
+embeddings, a linear head, no dropout. We build it on transformers' GPTBigCode with `multi_query=False` (= GPT-2 with
+`nn.Linear` projections that keep the (batch, time, features) layout, so ISOPO's per-`nn.Linear` per-sequence
+statistics cover every matrix but the head; OPT flattens rows and GPT-2 uses Conv1D), untied, in a registered subclass.
+Positions are `arange(T)` (not mask-aware): fine here, every prompt has exactly H tokens, so nothing is ever padded.
 
 Action space: a transformers vocabulary also holds <pad> <unk> <bos> <eos>. The paper's head covers only the V
 symbols, so the LM head carries a *frozen* additive bias of `LOGIT_MASK` on every non-symbol id. The bias lives in the

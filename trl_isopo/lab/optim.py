@@ -1,9 +1,9 @@
 """Optimizers for the lab: the paper's Muon/AdamW routing, or plain AdamW.
 
-Paper routing (tpo-spec §3; reference: `optax.contrib.muon(lr=1e-3)`): Muon (momentum 0.95, Nesterov, 5 Newton-Schulz
-steps with coefficients (3.4445, -4.775, 2.0315), weight decay 0) on every 2-D leaf of the Flax model, AdamW (0.9,
-0.999, eps 1e-8, wd 0) on the rest. In Flax the attention q/k/v/out kernels are 3-D, so they get AdamW; token and
-positional embeddings, MLP and head matrices get Muon. We copy that routing onto the torch model by name.
+Paper routing (arXiv 2604.06159 §3; reference code: `optax.contrib.muon(lr=1e-3)`): Muon (momentum 0.95, Nesterov, 5
+Newton-Schulz steps with coefficients (3.4445, -4.775, 2.0315), weight decay 0) on every 2-D leaf of the Flax model,
+AdamW (0.9, 0.999, eps 1e-8, wd 0) on the rest. In Flax the attention q/k/v/out kernels are 3-D, so they get AdamW;
+token and positional embeddings, MLP and head matrices get Muon. We copy that routing onto the torch model by name.
 
 Muon's shape scale: optax scales the update by sqrt(max(1, out/in)) with Flax's (in, out) kernels; torch.optim.Muon
 uses sqrt(max(1, rows/cols)). For `nn.Linear` (out, in) both agree. For embeddings, Flax's (num, features) table is

@@ -1,6 +1,7 @@
-"""Published numbers of the TPO paper (arXiv 2604.06159) that the lab can be compared with (tpo-spec §3.6-3.8).
+"""Published numbers of the TPO paper (arXiv 2604.06159 §3.6, Table 3) that the lab can be compared with.
 
-Keys use the lab's method names. Values are fractions (0.069 = 6.9%); None = the paper's "-" (above 95%).
+Keys are names of `trl_isopo.methods`: the paper's GRPO has a KL term (`grpo-kl`), its "GRPO (no KL)" is `grpo`.
+Values are fractions (0.069 = 6.9%); None = the paper's "-" (above 95%).
 """
 
 from __future__ import annotations
@@ -10,26 +11,26 @@ from __future__ import annotations
 TABLE3 = {
     "prompt": {
         "tpo": {7: 0.069, 8: 0.086, 9: 0.061, 10: 0.074},
-        "grpo": {7: 0.145, 8: 0.276, 9: 0.300, 10: 0.504},
-        "grpo-nokl": {7: 0.666, 8: 0.925, 9: None, 10: None},
+        "grpo-kl": {7: 0.145, 8: 0.276, 9: 0.300, 10: 0.504},
+        "grpo": {7: 0.666, 8: 0.925, 9: None, 10: None},
     },
     "interaction": {
         "tpo": {7: 0.018, 8: 0.028, 9: 0.053, 10: 0.190},
-        "grpo": {7: 0.096, 8: 0.232, 9: 0.362, 10: 0.487},
-        "grpo-nokl": {7: 0.781, 8: 0.838, 9: None, 10: None},
+        "grpo-kl": {7: 0.096, 8: 0.232, 9: 0.362, 10: 0.487},
+        "grpo": {7: 0.781, 8: 0.838, 9: None, 10: None},
     },
 }
 
 # Reference JAX code on CPU, terminal reverse_copy, H=4, V=2, B=100, K=8, 2 seeds: seed-mean error at episodes.
 H4_REFERENCE = {
     "tpo": {1: 0.931, 25: 0.606, 50: 0.172, 100: 0.039, 200: 0.046},
-    "grpo": {1: 0.931, 25: 0.770, 50: 0.608, 100: 0.566, 200: 0.356},
+    "grpo-kl": {1: 0.931, 25: 0.770, 50: 0.608, 100: 0.566, 200: 0.356},
 }
 
 # Reference curves (npz shipped with the reference code), prompt-matched H=10, 20 seeds: seed-mean error at episodes.
 H10_REFERENCE = {
     "tpo": {200: 0.948, 400: 0.677, 600: 0.432, 800: 0.353, 1000: 0.229, 1500: 0.110, 2000: 0.074},
-    "grpo": {200: 0.946, 400: 0.952, 600: 0.836, 800: 0.750, 1000: 0.629, 1500: 0.587, 2000: 0.504},
+    "grpo-kl": {200: 0.946, 400: 0.952, 600: 0.836, 800: 0.750, 1000: 0.629, 1500: 0.587, 2000: 0.504},
 }
 
 

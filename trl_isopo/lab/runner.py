@@ -2,7 +2,7 @@
 
 One *episode* (the paper's step) = one generation batch of B prompts x K completions followed by `epochs` optimizer
 steps on it (TRL `num_iterations`; one process; each optimizer step sees all B*K rows, in one micro-batch or, for
-methods with a `micro_batch_prompts` default such as ISOPO, in GA micro-batches of whole groups).
+methods with a micro-batch default such as ISOPO, `regime.micro_batch_prompts`, in GA micro-batches of whole groups).
 Recorded per episode, from the rollouts sampled at that episode *before* its update (the paper's training error):
 exact-match error, token error (fraction of wrong symbols), mean reward. KL drift: at checkpoints, on a fixed probe set
 of prompts, KL(pi_theta || pi_0) of whole completions, estimated as the mean over completions y ~ pi_theta of
@@ -22,10 +22,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from trl_isopo.methods import get_method
+
 from . import tasks
-from .methods import get_method
 from .model import build_lab_model
 from .optim import build_optimizer
+from .regime import micro_batch_prompts
 from .rewards import bag_of_tokens_score, exact_match_score, get_reward
 
 
@@ -134,7 +136,6 @@ def _trainer_callback(run_kl, epochs: int, kl_every: int):
 def train_one(method_name: str, seed: int, setting: Setting, on_episode=None, workdir: str | None = None) -> dict:
     """Train `method_name` with `seed` on `setting`; return a JSON-ready dict of per-episode metrics and summaries."""
     method = get_method(method_name)
-    trainer_cls, config_cls = method.classes()
     s = setting
     model, tokenizer = build_lab_model(s.vocab_size, s.horizon, s.d_model, s.num_layers, s.num_heads, seed=seed)
     initial = copy.deepcopy(model).eval()
@@ -160,8 +161,9 @@ def train_one(method_name: str, seed: int, setting: Setting, on_episode=None, wo
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         model.config._name_or_path = model_dir
-        mb, ga = micro_batching(s.prompts_per_step, s.micro_batch_prompts or method.micro_batch_prompts)
-        config = config_cls(
+        mb, ga = micro_batching(s.prompts_per_step,
+                                s.micro_batch_prompts or micro_batch_prompts(method, s.prompts_per_step))
+        config = method.config(
             output_dir=os.path.join(tmp, "out"),
             per_device_train_batch_size=mb * s.group_size,
             gradient_accumulation_steps=ga,  # TRL: steps_per_generation = GA, one generation batch of B*K rows
@@ -183,10 +185,9 @@ def train_one(method_name: str, seed: int, setting: Setting, on_episode=None, wo
             save_strategy="no",
             disable_tqdm=True,
             dataloader_num_workers=0,
-            **method.config_kwargs,
         )
         optimizer = build_optimizer(model, s.optimizer, s.lr)
-        trainer = trainer_cls(
+        trainer = method.trainer_cls(
             model=model,
             reward_funcs=[recorder],
             args=config,

@@ -1,4 +1,5 @@
-"""Sequence tasks of the TPO paper (§3.4-3.6): a random prompt of H symbols over {0..V-1} and a deterministic target.
+"""Sequence tasks of the TPO paper (arXiv 2604.06159 §3.4-3.6): a random prompt of H symbols over {0..V-1} and a
+deterministic target.
 
 Symbols are written as the words "0", "1", ..., "V-1" separated by single spaces, so the word-level tokenizer of
 `trl_isopo.lab.model` maps each symbol to one token. The paper feeds the prompt with no BOS or separator token.

@@ -6,15 +6,17 @@ same arguments skips the lines already there, so a long sweep can be stopped and
 paper's "steps to 1%" is the first episode whose seed mean is below 1%), KL drift and wall time, plus the paper's
 Table 3 number where the setting is a Table 3 cell.
 
-Matching (paper §3): "prompt" = every method sees B prompts per episode (grouped methods: B*K rollouts);
+Matching (arXiv 2604.06159 §3): "prompt" = every method sees B prompts per episode (grouped methods: B*K rollouts);
 "interaction" = every method gets B*K rollouts per episode, so a method with group size K_m (`name@K_m`) sees
 B*K/K_m prompts and its learning rate is scaled by sqrt(K/K_m). All built-in methods are grouped with the same K, so
 the two coincide unless group sizes differ (e.g. `--methods tpo,grpo@2`).
 
-Regimes: by default each method trains in its own regime from the registry (`trl_isopo/lab/methods.py`): ISOPO and
-REINFORCE one optimizer step per rollout batch, GRPO and TPO 4 epochs, all at lr 1e-3. `--epochs N` / `--lr X` set
-every method; `--method-epochs isopo=1,grpo=4` / `--method-lr isopo=3e-3` set single methods (these win). Every
-method always generates the same number of completions (episodes x B x K); only the optimizer steps per batch differ.
+Methods are names of `trl_isopo.methods`. Regimes (`trl_isopo.lab.regime`): by default each method trains in its
+protocol's regime, ISOPO and REINFORCE one optimizer step per rollout batch, GRPO and TPO 4 epochs, all at lr 1e-3.
+`--epochs N` / `--lr X` set every method; `--method-epochs isopo=1,grpo-kl=4` / `--method-lr isopo=3e-3` set single
+methods (these win). Every method always generates the same number of completions (episodes x B x K); only the
+optimizer steps per batch differ. Results stored under a name whose setting has changed since
+(`trl_isopo.methods.RENAMED`) are read under today's name.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", "-V", default="2", help='V, or a list "2,4"')
     p.add_argument("--group-size", "-K", type=int, default=8)
     p.add_argument("--prompts", "-B", type=int, default=100, help="prompts per episode (B)")
-    p.add_argument("--methods", default="grpo,reinforce,isopo,tpo", help="registry names, optionally name@K")
+    p.add_argument("--methods", default="grpo-kl,reinforce,isopo,tpo",
+                   help="names of trl_isopo.methods, optionally name@K")
     p.add_argument("--episodes", type=int, default=100)
     p.add_argument("--epochs", type=int, default=None,
                    help="optimizer steps per rollout batch (num_iterations) for every method (default: each "
                         "method's own: ISOPO and REINFORCE 1, GRPO and TPO 4)")
-    p.add_argument("--method-epochs", default="", help='per-method epochs, e.g. "isopo=1,grpo=4" (wins over --epochs)')
+    p.add_argument("--method-epochs", default="",
+                   help='per-method epochs, e.g. "isopo=1,grpo-kl=4" (wins over --epochs)')
     p.add_argument("--seeds", default="0", help='"0-19", "0,3", ...')
     p.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
     p.add_argument("--lr", type=float, default=None, help="learning rate for every method (default: each method's "
@@ -93,16 +97,22 @@ def result_key(method: str, seed: int, setting: dict) -> str:
 
 
 def load_results(path: str) -> list[dict]:
-    """All complete JSON lines of `path` (a torn last line from an interrupted write is ignored)."""
+    """All complete JSON lines of `path` (a torn last line from an interrupted write is ignored), each under its
+    method's current name (`trl_isopo.methods.current_name`; the stored name is kept as `stored_method`)."""
+    from trl_isopo.methods import current_name
+
     if not os.path.exists(path):
         return []
     out = []
     with open(path) as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                r = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if "method" in r and current_name(r["method"], r.get("label")) != r["method"]:
+                r = {**r, "method": current_name(r["method"], r.get("label")), "stored_method": r["method"]}
+            out.append(r)
     return out
 
 
@@ -122,7 +132,7 @@ def append_result(path: str, result: dict) -> None:
 
 def planned_runs(args) -> list[tuple[str, int, object]]:
     """(method name, seed, Setting) for every run the arguments ask for, each method in its regime (module doc)."""
-    from trl_isopo.lab.methods import parse_method_values, regime
+    from trl_isopo.lab.regime import parse_method_values, regime
     from trl_isopo.lab.runner import Setting
 
     method_epochs = parse_method_values(getattr(args, "method_epochs", ""), int)

@@ -117,6 +117,19 @@ def launch(command: str, launch_args: list[str], training_args: list[str]) -> in
     return 0
 
 
-def in_launched_worker() -> bool:
+# Set together by both of accelerate's launchers (its simple and its multi-process environment builders) and by
+# nothing else: one of them alone may be a user's own export (e.g. ACCELERATE_MIXED_PRECISION from a shell profile).
+_ACCELERATE_LAUNCH_MARKERS = (
+    "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE",
+    "ACCELERATE_DYNAMO_USE_FULLGRAPH",
+)
+# torchrun / torch.distributed.elastic set these in every worker.
+_TORCHRUN_MARKERS = ("LOCAL_RANK", "RANK", "WORLD_SIZE")
+
+
+def in_launched_worker(environ=None) -> bool:
     """True inside a process started by `accelerate launch` / torchrun (by this module or by hand)."""
-    return any(os.environ.get(name) for name in (LAUNCHED_ENV, "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION"))
+    env = os.environ if environ is None else environ
+    if env.get(LAUNCHED_ENV):
+        return True
+    return all(name in env for name in _ACCELERATE_LAUNCH_MARKERS) or all(name in env for name in _TORCHRUN_MARKERS)

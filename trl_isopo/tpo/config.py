@@ -3,25 +3,39 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 from .grouping import validate_group_batching
+from .scores import AGGREGATIONS, SCALE_REWARDS
 
-__all__ = ["TPOConfig", "tpo_unsupported_options"]
+__all__ = ["TPOConfig", "tpo_ignored_options", "tpo_unsupported_options"]
 
-# GRPO loss knobs that have no meaning for TPO (no importance ratio, no clipping, own standardization). They must stay
-# at GRPOConfig's defaults so nothing is silently ignored; the value is the reason given to the user.
+# GRPO loss knobs that have no meaning for TPO (no importance ratio, no clipping). They must stay at GRPOConfig's
+# defaults so nothing is silently ignored; the value is the reason given to the user.
 _GRPO_ONLY_FIELDS = {
-    "loss_type": "TPO replaces the GRPO policy loss with its own group cross-entropy",
     "epsilon": "TPO has no importance-ratio clipping",
     "epsilon_high": "TPO has no importance-ratio clipping",
     "delta": "TPO has no importance-ratio clipping",
     "importance_sampling_level": "TPO uses no importance ratio (q is frozen, log p is recomputed)",
-    "scale_rewards": "TPO always standardizes the raw rewards within each group (population std, the paper's u)",
-    "multi_objective_aggregation": "TPO standardizes the weighted sum of the reward functions within each group",
 }
+# loss_type values that only choose how GRPO's per-token surrogate is averaged (per sequence, per token of the
+# micro-batch, per max_completion_length). TPO has no per-token surrogate, so they are accepted with a warning.
+_NORMALIZATION_ONLY_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+
+
+def tpo_ignored_options(args) -> list[str]:
+    """Warnings for options set on `args` that TPO accepts but that change nothing (empty list if none)."""
+    default = GRPOConfig.__dataclass_fields__["loss_type"].default
+    if args.loss_type != default and args.loss_type in _NORMALIZATION_ONLY_LOSS_TYPES:
+        return [
+            f"`loss_type={args.loss_type!r}` is ignored by TPO: it only changes how GRPO's per-token surrogate is "
+            "averaged, and TPO's loss is a cross-entropy over each group's sequence log-probs (mean over groups). "
+            "The `beta` KL term keeps TPO's per-sequence token mean."
+        ]
+    return []
 
 
 def tpo_unsupported_options(args) -> list[str]:
@@ -33,20 +47,22 @@ def tpo_unsupported_options(args) -> list[str]:
         value = getattr(args, name)
         if value != default:
             problems.append(f"`{name}={value!r}` is not supported: {reason}. Leave it at its default ({default!r}).")
+    if args.loss_type not in _NORMALIZATION_ONLY_LOSS_TYPES:
+        problems.append(
+            f"`loss_type={args.loss_type!r}` is not supported: it transforms GRPO's importance ratio, which TPO does "
+            f"not have (its loss is a group cross-entropy). Use one of {list(_NORMALIZATION_ONLY_LOSS_TYPES)} (all "
+            "give the same TPO loss) or leave the default."
+        )
+    if args.scale_rewards not in SCALE_REWARDS:
+        problems.append(f"`scale_rewards={args.scale_rewards!r}` must be one of {list(SCALE_REWARDS)}.")
+    if args.multi_objective_aggregation not in AGGREGATIONS:
+        problems.append(
+            f"`multi_objective_aggregation={args.multi_objective_aggregation!r}` must be one of {list(AGGREGATIONS)}."
+        )
     if args.off_policy_mask_threshold is not None:
         problems.append(
             f"`off_policy_mask_threshold={args.off_policy_mask_threshold}` is not supported: the off-policy sequence "
             "mask needs advantages and ratios that TPO does not have. Set off_policy_mask_threshold=None."
-        )
-    if args.top_entropy_quantile < 1.0:
-        problems.append(
-            f"`top_entropy_quantile={args.top_entropy_quantile}` is not supported: TPO's loss acts on whole-sequence "
-            "log-probs, not on selected tokens. Set top_entropy_quantile=1.0."
-        )
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        problems.append(
-            "An entropy bonus (`entropy_coef != 0` or `use_adaptive_entropy=True`) is not implemented for TPO. "
-            "Set entropy_coef=0.0 and use_adaptive_entropy=False (the `entropy` metric is still logged)."
         )
     if args.use_vllm and args.vllm_importance_sampling_correction:
         problems.append(
@@ -67,10 +83,13 @@ class TPOConfig(GRPOConfig):
     For each prompt, the K = `num_generations` completions are scored, the weighted sum of the reward functions is
     standardized within the group (u), and the policy renormalised over the group is fitted by cross-entropy to the
     target q = softmax(log p_old + u / eta). `TPOConfig` inherits every parameter of [`trl.GRPOConfig`]; only the
-    fields below are new. GRPO's loss knobs (`loss_type`, `epsilon`, `epsilon_high`, `delta`,
-    `importance_sampling_level`, `scale_rewards`, `multi_objective_aggregation`, `off_policy_mask_threshold`,
-    `top_entropy_quantile < 1`, entropy bonus, vLLM importance-sampling correction) have no TPO meaning and are
-    rejected if changed. `beta` adds GRPO's k3 KL to the reference model (per-sequence token mean, mean over rows).
+    fields below are new. GRPO's ratio knobs (`epsilon`, `epsilon_high`, `delta`, `importance_sampling_level`,
+    ratio-transforming `loss_type`s, `off_policy_mask_threshold`, vLLM importance-sampling correction) have no TPO
+    meaning and are rejected if changed; the normalization-only `loss_type`s (`grpo`, `bnpo`, `dr_grpo`) are accepted
+    with a warning and change nothing. `beta` adds GRPO's k3 KL to the reference model (per-sequence token mean, mean
+    over rows); `entropy_coef` / `use_adaptive_entropy` add TRL's entropy bonus; `top_entropy_quantile < 1` lets the
+    policy gradient flow only through the high-entropy tokens of each l_i; `scale_rewards` and
+    `multi_objective_aggregation` choose how u is formed (see docs/tpo.md, "GRPOConfig fields").
 
     Batch sizes: every group must stay whole in each micro-batch and on each process, so
     `per_device_train_batch_size` must be a multiple of `num_generations` (and `per_device_eval_batch_size` of
@@ -136,3 +155,5 @@ class TPOConfig(GRPOConfig):
         problems = tpo_unsupported_options(self)
         if problems:
             raise ValueError("TPOConfig: " + " ".join(problems))
+        for message in tpo_ignored_options(self):
+            warnings.warn("TPOConfig: " + message, UserWarning, stacklevel=2)

@@ -4,7 +4,7 @@ TPO's loss is a softmax over each prompt's K completions, so every micro-batch o
 groups. TRL lays groups out as K consecutive rows (RepeatSampler and every generation backend), shards the generation
 batch across processes in contiguous blocks of `per_device_train_batch_size * steps_per_generation` rows, and cuts
 micro-batches as contiguous blocks of `per_device_train_batch_size` rows. Hence `per_device_train_batch_size % K == 0`
-plus a shuffle that permutes whole groups instead of rows is enough (trl-integration.md §4).
+plus a shuffle that permutes whole groups instead of rows is enough (docs/tpo.md, "How it plugs into GRPOTrainer").
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ __all__ = [
     "tpo_group_stats",
 ]
 
-# Paper / reference rule (tpo-spec.md §1.2): a group whose population std is <= this is "zero variance".
+# The TPO paper's rule (arXiv 2604.06159 App. A, and its reference code): a group whose population std is <= this is
+# "zero variance" (its standardized scores are u = 0).
 ZERO_STD_THRESHOLD = 1e-6
 
 

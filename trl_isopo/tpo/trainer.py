@@ -23,7 +23,6 @@ importance sampling) q is built at generation time from a separate no-grad forwa
 
 from __future__ import annotations
 
-import inspect
 import textwrap
 
 import torch
@@ -37,78 +36,14 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
+from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
 from .config import TPOConfig, tpo_unsupported_options
 from .grouping import check_whole_groups, shuffle_groups, validate_group_batching
-from .target import ZERO_STD_THRESHOLD, sequence_logps, standardize_group_scores, tpo_group_stats, tpo_loss, tpo_target
+from .scores import batch_population_std, combine_rewards, scores_to_u
+from .target import ZERO_STD_THRESHOLD, sequence_logps, tpo_group_stats, tpo_loss, tpo_target
+from .trl_hooks import FORWARD_KEYS, REQUIRED_STATE, check_trl_hooks
 
 __all__ = ["TPOTrainer"]
-
-# Forward kwargs GRPOTrainer._compute_loss passes to `_get_per_token_logps_and_entropies` (TRL 1.16).
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
-
-_REQUIRED_HOOKS = {
-    "_prepare_inputs": ("generation_batch",),
-    "_generate_and_score_completions": ("inputs",),
-    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
-    "_compute_loss": ("model", "inputs"),
-    "_get_per_token_logps_and_entropies": (
-        "model",
-        "input_ids",
-        "attention_mask",
-        "logits_to_keep",
-        "batch_size",
-        "compute_entropy",
-        "compute_aux_loss",
-    )
-    + _FORWARD_KEYS,
-}
-
-
-# GRPOTrainer state read or written by the overrides (checked after GRPOTrainer.__init__).
-_REQUIRED_STATE = (
-    "_buffered_inputs",
-    "_step",
-    "_metrics",
-    "num_iterations",
-    "num_generations",
-    "num_generations_eval",
-    "reward_weights",
-    "beta",
-    "aux_loss_enabled",
-)
-
-
-def _check_trl_hooks() -> None:
-    """Fail loudly if the GRPOTrainer internals TPOTrainer relies on have changed."""
-    import trl
-
-    for name, params in _REQUIRED_HOOKS.items():
-        fn = getattr(GRPOTrainer, name, None)
-        if fn is None:
-            raise RuntimeError(
-                f"TPOTrainer needs GRPOTrainer.{name}, missing in trl {trl.__version__} (built for 1.16)."
-            )
-        have = inspect.signature(fn).parameters
-        missing = [p for p in params if p not in have]
-        if missing:
-            raise RuntimeError(
-                f"TPOTrainer needs GRPOTrainer.{name} with parameters {missing}; trl {trl.__version__} changed it "
-                "(built for 1.16)."
-            )
-    if not getattr(GRPOTrainer, "loss_is_scaled_for_ga", False):
-        raise RuntimeError(f"TPOTrainer expects GRPOTrainer.loss_is_scaled_for_ga = True (trl {trl.__version__}).")
-
 
 class TPOTrainer(GRPOTrainer):
     """
@@ -185,7 +120,7 @@ class TPOTrainer(GRPOTrainer):
         environment_factory=None,
     ):
         # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        _check_trl_hooks()
+        check_trl_hooks()
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = TPOConfig(f"{model_name.split('/')[-1]}-TPO")
@@ -213,11 +148,11 @@ class TPOTrainer(GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
-        missing = [name for name in _REQUIRED_STATE if not hasattr(self, name)]
+        missing = [name for name in REQUIRED_STATE if not hasattr(self, name)]
         if missing:
             raise RuntimeError(f"TPOTrainer relies on GRPOTrainer attributes {missing}, missing in this TRL version.")
 
-    # ------------------------------------------------------------------ forward helper
+    # ------------------------------------------------------------------ the shared forward
     def _tpo_forward(self, model, inputs, compute_entropy=False, compute_aux_loss=False, batch_size=None):
         """(per-token log-probs (B, C), entropies or None, aux loss or None), computed as GRPO's loss does."""
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -232,7 +167,7 @@ class TPOTrainer(GRPOTrainer):
             batch_size=batch_size,
             compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss,
-            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+            **{key: inputs.get(key) for key in FORWARD_KEYS},
         )
 
     @staticmethod
@@ -264,15 +199,18 @@ class TPOTrainer(GRPOTrainer):
         elif num_rows % group_size:
             raise RuntimeError(f"TPO: {num_rows} rows are not whole groups of {group_size}.")
 
-        # Raw combined score s = sum_f w_f r_f (NaN rewards of single functions count as 0, as in TRL; a row where
-        # every function returned None is unscorable). Local slice: every process holds whole groups.
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        scores = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        scores = scores.masked_fill(unscorable, float("nan"))
+        # Combined score s (trl_isopo.tpo.scores: sum_f w_f r_f, or of per-function standardized rewards; NaN for a
+        # row where every function returned None). Local slice: every process holds whole groups.
         rank = self.accelerator.process_index
-        scores = scores[rank * num_rows : (rank + 1) * num_rows].to(device)
-
+        local_rewards = rewards_per_func[rank * num_rows : (rank + 1) * num_rows].to(device)
+        non_empty = self._loss_mask(output).sum(-1) > 0
+        scores = combine_rewards(
+            local_rewards, self.reward_weights, group_size, self.args.multi_objective_aggregation, non_empty
+        )
         output["tpo_scores"] = scores
+        if self.args.scale_rewards == "batch":  # one std over the generation batch of every process, kept per row
+            gathered = self.accelerator.gather(scores.masked_fill(~non_empty, float("nan")))
+            output["tpo_score_scale"] = batch_population_std(gathered).expand(num_rows).clone()
 
         # Leftover deferred sums (a generation batch not fully consumed, e.g. at the end of an epoch) are logged now.
         self._tpo_flush_target_metrics(mode)
@@ -291,7 +229,9 @@ class TPOTrainer(GRPOTrainer):
                 old_per_token_logps, _, _ = self._tpo_forward(self.model, output, batch_size=batch_size)
             output["old_per_token_logps"] = old_per_token_logps
 
-        q, valid, sums = self._tpo_build_targets(old_per_token_logps, self._loss_mask(output), scores, group_size)
+        q, valid, sums = self._tpo_build_targets(
+            old_per_token_logps, self._loss_mask(output), scores, group_size, output.get("tpo_score_scale")
+        )
         output["tpo_targets"] = q
         output["tpo_valid_mask"] = valid
         self._tpo_log_target_metrics(mode, sums)
@@ -310,8 +250,9 @@ class TPOTrainer(GRPOTrainer):
         # from a separate forward.)
         return self.num_iterations == 1 and self.args.gradient_accumulation_steps % self.args.steps_per_generation == 0
 
-    def _tpo_build_targets(self, old_per_token_logps, mask, scores, group_size):
-        """(q (B,), valid (B,), sums (6,)) from p_old's per-token log-probs and the raw scores of whole groups.
+    def _tpo_build_targets(self, old_per_token_logps, mask, scores, group_size, score_scale=None):
+        """(q (B,), valid (B,), sums (6,)) from p_old's per-token log-probs and the raw scores of whole groups
+        (`score_scale` (B,): the batch std for `scale_rewards="batch"`).
 
         `sums` holds the generation-side metric sums (target entropy, groups with a valid member, zero-variance
         groups, groups, invalid rows, rows); sums over disjoint sets of whole groups add up.
@@ -320,7 +261,8 @@ class TPOTrainer(GRPOTrainer):
         scores = scores.to(old_logps.device)
         valid = (mask.sum(-1) > 0) & torch.isfinite(scores) & torch.isfinite(old_logps)
         valid_g = valid.view(-1, group_size)
-        u, std = standardize_group_scores(scores.view(-1, group_size), valid_g, return_std=True)
+        scale = None if score_scale is None else score_scale.to(scores.device).view(-1, group_size)
+        u, std = scores_to_u(scores.view(-1, group_size), valid_g, self.args.scale_rewards, scale)
         old_g = old_logps.view(-1, group_size)
         q = tpo_target(old_g, u, valid_g, eta=self.args.tpo_eta, anchor=self.args.tpo_anchor)
         stats = tpo_group_stats(old_g, q, valid_g)
@@ -387,7 +329,9 @@ class TPOTrainer(GRPOTrainer):
             # Reuse path: the parameters are the rollout-time ones, so p_old is this forward's own (detached) output.
             # Written back into the micro-batch so that callbacks see the same keys as on the recompute path.
             old_per_token_logps = per_token_logps.detach()
-            q, valid_rows, sums = self._tpo_build_targets(old_per_token_logps, mask, inputs["tpo_scores"], group_size)
+            q, valid_rows, sums = self._tpo_build_targets(
+                old_per_token_logps, mask, inputs["tpo_scores"], group_size, inputs.get("tpo_score_scale")
+            )
             inputs["old_per_token_logps"] = old_per_token_logps
             inputs["tpo_targets"] = q
             inputs["tpo_valid_mask"] = valid_rows
@@ -396,7 +340,14 @@ class TPOTrainer(GRPOTrainer):
             deferred[1] -= 1
             if deferred[1] <= 0:  # the last micro-batch of its generation batch: log once per generation batch
                 self._tpo_flush_target_metrics(mode)
-        logps = sequence_logps(per_token_logps, mask, self.args.tpo_length_normalize).view(-1, group_size)
+        # top_entropy_quantile < 1: the policy gradient flows only through the high-entropy tokens of each l_i (the
+        # others are detached, so l_i, p_theta and the loss keep their values), as GRPO masks its per-token loss.
+        entropy_mask = None
+        policy_token_logps = per_token_logps
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            policy_token_logps = torch.where(entropy_mask, per_token_logps, per_token_logps.detach())
+        logps = sequence_logps(policy_token_logps, mask, self.args.tpo_length_normalize).view(-1, group_size)
         targets = inputs["tpo_targets"].view(-1, group_size)
         valid = inputs["tpo_valid_mask"].view(-1, group_size)
 
@@ -418,6 +369,10 @@ class TPOTrainer(GRPOTrainer):
             per_token_kl = torch.where(m, per_token_kl, torch.zeros_like(per_token_kl))
             kl_per_seq = per_token_kl.sum(-1) / m.sum(-1).clamp(min=1)
             loss = loss + self.beta * kl_per_seq.mean() / normalizer
+
+        if entropy_bonus_enabled(self.args):  # TRL's bonus, on the tokens the policy gradient acts on
+            bonus_mask = mask if entropy_mask is None else mask * entropy_mask
+            loss = loss + entropy_bonus_term(self, entropies, bonus_mask, mode)
 
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer

@@ -1,0 +1,66 @@
+"""The rollout schedule of the real-model runs: M optimizer steps per rollout through TRL's mini-batch schedule.
+
+A rollout (TRL's generation batch) is P prompts x K completions. TRL generates once every
+`steps_per_generation * num_iterations` micro-batches of `per_device_train_batch_size` rows and steps the optimizer
+every `gradient_accumulation_steps` micro-batches (GA), so one rollout feeds `steps_per_generation / GA *
+num_iterations` optimizer steps. Here `steps_per_generation = M * GA`: each of the M optimizer steps takes a
+mini-batch of P*K/M rows (after TRL's shuffle of the rollout; TPO shuffles whole groups), accumulated over GA
+micro-batches of `micro_batch` rows. With M > 1 the policy moves between the mini-batches of one rollout, so TRL
+keeps the rollout-time log-probs (pi_old): GRPO's ratio and clip act, REINFORCE's ratio is unclipped, TPO's target
+q is frozen per rollout, and ISOPO (no pi_old) recomputes its per-sequence gradients at the current policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rollout_schedule(rollout_rows: int, steps_per_rollout: int = 1, micro_batch: int = 0) -> dict:
+    """TRL's batch fields for M = `steps_per_rollout` optimizer steps per rollout of `rollout_rows` rows:
+    `per_device_train_batch_size` (the micro-batch), `gradient_accumulation_steps` (micro-batches per optimizer step)
+    and `steps_per_generation` (= M * GA). `micro_batch` 0: one micro-batch per optimizer step (GA = 1)."""
+    if steps_per_rollout < 1 or rollout_rows % steps_per_rollout:
+        raise ValueError(f"{steps_per_rollout} optimizer steps per rollout do not divide its {rollout_rows} rows")
+    mini = rollout_rows // steps_per_rollout
+    micro = micro_batch or mini
+    if micro > mini or mini % micro:
+        raise ValueError(f"a micro-batch of {micro} rows does not divide the mini-batch of {mini} rows "
+                         f"({rollout_rows} rows / {steps_per_rollout} steps)")
+    accumulation = mini // micro
+    return dict(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                steps_per_generation=steps_per_rollout * accumulation)
+
+
+def rollout_config(config_cls, output_dir: str, *, prompts: int, generations: int, max_completion_length: int,
+                   temperature: float, learning_rate: float, max_steps: int, seed: int, progress: bool = False,
+                   steps_per_rollout: int = 1, micro_batch: int = 0, **fields):
+    """A CPU-sized `config_cls` (GRPOConfig or a subclass): rollouts of `prompts` x `generations`,
+    `steps_per_rollout` optimizer steps per rollout (`rollout_schedule`; the defaults give one micro-batch of the
+    whole rollout and one step), `num_iterations=1` unless `fields` says otherwise, constant lr, float32, no
+    activation checkpointing, no saving or reporting. `fields` are the method's own settings (and any override)."""
+    base = dict(
+        output_dir=output_dir,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        **rollout_schedule(prompts * generations, steps_per_rollout, micro_batch),
+        num_iterations=1,
+        num_generations=generations,
+        max_completion_length=max_completion_length,
+        temperature=temperature,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=max_steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        # transformers 5's name: setting the deprecated `gradient_checkpointing` (TRL's configs default it to True)
+        # makes every config print a FutureWarning
+        activation_checkpointing=False,
+        disable_tqdm=not progress,
+    )
+    return config_cls(**{**base, **fields})

@@ -22,10 +22,9 @@ import time
 import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-from trl_isopo.isopo.fused_head import RowScaledChunkedLogProb
-from trl_isopo.isopo.head import ISOPOHead
-from trl_isopo.isopo.linear import ISOPOContext, ISOPOSettings, MicroBatch
-from trl_isopo.isopo.other_params import head_row_values
+from trl_isopo.isopo.head import ISOPOHead, RowScaledChunkedLogProb, head_row_values
+from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.micro_batch import MicroBatch
 
 VARIANTS = {
     "p=-1": dict(p=-1.0, q=0.0, r=0.0),
@@ -83,10 +82,9 @@ def main(argv=None):
     runs["advantage-weighted"] = step(RowScaledChunkedLogProb, (head_row_values(N, mb, A).float(),))
     contexts = {}
     for name, knobs in VARIANTS.items():
-        ctx = ISOPOContext(ISOPOSettings(**knobs))
-        ctx.micro_batch, ctx.active = mb, True
+        ctx = ISOPOBackward(ISOPOSettings(**knobs))
         contexts[name] = ctx
-        runs[f"ISOPO head {name}"] = step(RowScaledChunkedLogProb, (ISOPOHead(ctx, "lm_head"),))
+        runs[f"ISOPO head {name}"] = step(RowScaledChunkedLogProb, (ISOPOHead(ctx, "lm_head", mb),))
     times = {k: [] for k in runs}
     for f in runs.values():
         f()

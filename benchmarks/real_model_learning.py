@@ -10,10 +10,18 @@ share one list (each run is claimed by one process).
     # learning-rate sweep: seed 0, 8-step runs (the training split has steps x prompts items and the held-out set
     # excludes them, so runs of different lengths differ in data order and held-out questions: the sweep compares
     # 8-step runs only), then the comparison at the picked rates
-    python benchmarks/real_model_learning.py run --methods grpo,reinforce,isopo,tpo --lrs 1e-4,3e-4,1e-3 --seeds 0 --steps 8
+    python benchmarks/real_model_learning.py run --methods grpo-kl,reinforce,isopo,tpo --lrs 1e-4,3e-4,1e-3 --seeds 0 --steps 8
     python benchmarks/real_model_learning.py sweep            # per method: final scores of the 8-step runs by lr, the pick
-    python benchmarks/real_model_learning.py run --methods grpo=3e-4,reinforce=3e-4,isopo=3e-4,tpo=3e-4 --seeds 0-2
+    python benchmarks/real_model_learning.py run --methods grpo-kl=3e-4,reinforce=3e-4,isopo=3e-4,tpo=3e-4 --seeds 0-2
     python benchmarks/real_model_learning.py report
+
+`run` also takes M optimizer steps per rollout (`--steps-per-rollout`, `--rollouts`, `--num-iterations`,
+`--micro-batch`) and any numeric Reasoning Gym task (`--task`, `--task-config`); the M-steps protocol with its sweep,
+paired analysis and verdicts is `benchmarks/real_model_protocol.py`.
+
+Methods are names in `trl_isopo.methods`. Runs stored under a name whose setting has changed since
+(`trl_isopo.methods.RENAMED`, e.g. the runs of `grpo` with beta 0.04 stored before that setting was named `grpo-kl`)
+are read under today's name, with the stored name kept as `stored_method`.
 """
 
 from __future__ import annotations
@@ -26,20 +34,20 @@ import statistics
 import sys
 import time
 
-DEFAULT_RESULTS = "docs/real-model/runs.jsonl"
+DEFAULT_RESULTS = "benchmarks/results/real-model/runs.jsonl"
 
 
 def code_version() -> str:
-    """The commit this process runs (with `+dirty` for uncommitted changes to the code, i.e. outside `docs/`, where
-    the results file itself lives), recorded with every run."""
+    """The commit this process runs (with `+dirty` for uncommitted changes to the code, i.e. outside `docs/` and
+    `benchmarks/results/`, where the results file itself lives), recorded with every run."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)docs"],
-                               cwd=here, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)docs",
+                                ":(exclude,top)benchmarks/results"], cwd=here, capture_output=True, text=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -69,20 +77,37 @@ def parse_methods(text: str, lrs: list[float]) -> list[tuple[str, float]]:
 
 
 def load_results(path: str) -> list[dict]:
+    """Every run of the JSON-lines file, under its method's current name (see the module doc)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [current_record(json.loads(line)) for line in f if line.strip()]
+
+
+def current_record(record: dict) -> dict:
+    """`record` with its method's current name in `settings.method` and `key` (`trl_isopo.methods.current_name`)."""
+    from trl_isopo.methods import current_name
+
+    stored = record["settings"]["method"]
+    name = current_name(stored, record.get("label"))
+    if name == stored:
+        return record
+    return {**record, "settings": {**record["settings"], "method": name}, "key": name + record["key"][len(stored):],
+            "stored_method": stored}
 
 
 def make_run(args, method: str, lr: float, seed: int):
     from trl_isopo.real.run import RealRun
+    from trl_isopo.real.task import task_from_cli
 
-    return RealRun(method=method, lora=not args.full, learning_rate=lr, steps=args.steps,
-                   prompts_per_step=args.prompts, num_generations=args.generations,
+    m, iters = args.steps_per_rollout, args.num_iterations
+    steps = args.rollouts * m * iters if args.rollouts else args.steps
+    return RealRun(method=method, lora=not args.full, learning_rate=lr, steps=steps,
+                   prompts_per_rollout=args.prompts, num_generations=args.generations,
                    max_completion_length=args.max_completion_length, seed=seed, eval_size=args.eval_size,
                    eval_every=args.eval_every, eval_sampled=True, kl_prompts=args.kl_prompts,
-                   kl_samples=args.kl_samples)
+                   kl_samples=args.kl_samples, steps_per_rollout=m, num_iterations=iters, micro_batch=args.micro_batch,
+                   task=task_from_cli(args.task, args.task_config))
 
 
 def _claim(workdir: str, key: str) -> bool:
@@ -109,17 +134,21 @@ def _claim(workdir: str, key: str) -> bool:
 
 
 def cmd_run(args) -> int:
+    todo = [make_run(args, m, lr, s) for m, lr in parse_methods(args.methods, args.lrs) for s in parse_seeds(args.seeds)]
+    if args.order == "seed":
+        todo.sort(key=lambda run: run.seed)
+    return train_all(args, todo)
+
+
+def train_all(args, todo) -> int:
+    """Train each run of `todo` that `--results` lacks and no other live process has claimed; append its record."""
     import torch
 
     torch.set_num_threads(args.threads)
     from trl_isopo.real.run import train_real
 
-    todo = [(m, lr, s) for m, lr in parse_methods(args.methods, args.lrs) for s in parse_seeds(args.seeds)]
-    if args.order == "seed":
-        todo.sort(key=lambda t: t[2])
     os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-    for i, (method, lr, seed) in enumerate(todo):
-        run = make_run(args, method, lr, seed)
+    for i, run in enumerate(todo):
         if run.key() in {r["key"] for r in load_results(args.results)}:  # re-read: other processes append too
             print(f"[{i + 1}/{len(todo)}] {run.key()}: in {args.results}, skipped", flush=True)
             continue
@@ -129,7 +158,7 @@ def cmd_run(args) -> int:
         print(f"[{i + 1}/{len(todo)}] {run.key()} ...", flush=True)
         t0 = time.time()
         record = train_real(run, os.path.join(args.workdir, run.key().replace("|", "_")), progress=False,
-                            save_model=False)
+                            save_model=False, on_event=_print_base)
         record["wall_seconds"] = time.time() - t0
         record["threads"] = args.threads
         record["code"] = CODE_VERSION
@@ -139,15 +168,23 @@ def cmd_run(args) -> int:
         ev = record["evals"]
         print(f"    greedy {100 * ev[0]['greedy']:.1f}% -> {100 * ev[-1]['greedy']:.1f}%, sampled "
               f"{100 * ev[0]['sampled']:.1f}% -> {100 * ev[-1]['sampled']:.1f}%, KL {ev[-1].get('kl', float('nan')):.3f}"
-              f", {statistics.median(record['step_seconds']):.1f} s/step, {record['wall_seconds']:.0f} s", flush=True)
+              f", {statistics.median(record['step_seconds']):.1f} s/step, {record['wall_seconds']:.0f} s wall, "
+              f"{record['train_cpu_seconds']:.0f} + {record['eval_cpu_seconds']:.0f} CPU-s (train + eval)", flush=True)
     return 0
+
+
+def _print_base(kind, point):
+    if kind == "eval" and point["step"] == 0:
+        print(f"    base model: held-out greedy score {point['greedy']:.3f}, exactly right "
+              f"{100 * point['greedy_exact']:.1f}%", flush=True)
 
 
 def _group(results: list[dict]) -> dict:
     groups: dict = {}
     for r in results:
         s = r["settings"]
-        key = (s["method"], "lora" if s["lora"] else "full", s["learning_rate"], s["steps"])
+        key = (s["method"], "lora" if s["lora"] else "full", s["learning_rate"], s["steps"],
+               s.get("steps_per_rollout", 1))
         groups.setdefault(key, []).append(r)
     return groups
 
@@ -167,7 +204,7 @@ def cmd_report(args) -> int:
               "KL(π‖π0) final (nats) | per seed | s/step |")
     rows.append(header)
     rows.append("|" + "---|" * (header.count("|") - 1))
-    for (method, weights, lr, steps), runs in sorted(_group(results).items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+    for (method, weights, lr, steps, _), runs in sorted(_group(results).items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         runs = sorted(runs, key=lambda r: r["settings"]["seed"])
         base_g = [r["evals"][0]["greedy"] for r in runs]
         fin_g = [r["evals"][-1]["greedy"] for r in runs]
@@ -243,9 +280,9 @@ def plot(results: list[dict], path: str) -> None:
 
     groups = _group(results)
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for i, ((method, weights, lr, steps), runs) in enumerate(sorted(groups.items())):
+    for i, ((method, weights, lr, steps, m), runs) in enumerate(sorted(groups.items())):
         color = f"C{i % 10}"
-        label = f"{runs[0]['label']} {weights} lr {lr:g} ({len(runs)} seeds)"
+        label = f"{runs[0]['label']} {weights} lr {lr:g}{f' M={m}' if m > 1 else ''} ({len(runs)} seeds)"
         for j, r in enumerate(runs):
             ev = r["evals"]
             kw = dict(color=color, alpha=0.8, label=label if j == 0 else None)
@@ -266,27 +303,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train the missing (method, lr, seed) runs and append them to --results")
-    r.add_argument("--methods", default="grpo,reinforce,isopo,tpo", help="names, optionally name=lr")
+    r.add_argument("--methods", default="grpo-kl,reinforce,isopo,tpo",
+                   help="names in trl_isopo.methods, optionally name=lr")
     r.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[3e-4],
                    help="learning rates for methods given without =lr")
     r.add_argument("--seeds", default="0-2")
     r.add_argument("--full", action="store_true", help="full weights (default LoRA r=16)")
-    r.add_argument("--steps", type=int, default=16)
-    r.add_argument("--prompts", type=int, default=4)
-    r.add_argument("--generations", type=int, default=8)
-    r.add_argument("--max-completion-length", type=int, default=24)
-    r.add_argument("--eval-size", type=int, default=64)
-    r.add_argument("--eval-every", type=int, default=8)
-    r.add_argument("--kl-prompts", type=int, default=8)
-    r.add_argument("--kl-samples", type=int, default=4)
-    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--steps", type=int, default=16, help="optimizer steps in all (see --rollouts)")
+    r.add_argument("--rollouts", type=int, default=0,
+                   help="rollouts per run instead of --steps (steps = rollouts x M x num-iterations)")
+    r.add_argument("--steps-per-rollout", type=int, default=1,
+                   help="M: optimizer steps per rollout, each on 1/M of it (TRL steps_per_generation = M x GA)")
+    r.add_argument("--num-iterations", type=int, default=1, help="TRL num_iterations: passes over each rollout")
+    r.add_argument("--eval-every", type=int, default=8, help="held-out evaluation every N optimizer steps")
+    add_run_options(r, prompts=4, eval_size=64, kl_prompts=8, micro_batch=0, results=DEFAULT_RESULTS)
     r.add_argument("--order", choices=["method", "seed"], default="method",
                    help="method: all seeds of the first method first (default); seed: every method's seed 0 first")
-    r.add_argument("--workdir", default="outputs/real_model_learning")
-    r.add_argument("--results", default=DEFAULT_RESULTS)
     rep = sub.add_parser("report", help="markdown table (seed means and per-seed values) and a PNG")
     rep.add_argument("--results", default=DEFAULT_RESULTS)
-    rep.add_argument("--png", default="docs/real-model/curves.png")
+    rep.add_argument("--png", default="benchmarks/results/real-model/curves.png")
     rep.add_argument("--steps", type=int, default=None, help="only runs of this length (e.g. 16: not the sweep)")
     sw = sub.add_parser("sweep", help="learning-rate sweep table: N-step runs of one seed by lr, and the pick")
     sw.add_argument("--results", default=DEFAULT_RESULTS)
@@ -294,6 +329,24 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--seed", type=int, default=0)
     sw.add_argument("--full", action="store_true", help="full-weight runs (default LoRA)")
     return p
+
+
+def add_run_options(p, *, prompts, eval_size, kl_prompts, micro_batch, results) -> None:
+    """The options `run` and the protocol's script share: sizes, task, evaluation, threads, where results go."""
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per rollout")
+    p.add_argument("--generations", type=int, default=8, help="completions per prompt (K)")
+    p.add_argument("--micro-batch", type=int, default=micro_batch,
+                   help="rows per forward/backward (0: one micro-batch per optimizer step)")
+    p.add_argument("--max-completion-length", type=int, default=24)
+    p.add_argument("--eval-size", type=int, default=eval_size, help="held-out questions")
+    p.add_argument("--kl-prompts", type=int, default=kl_prompts, help="probe prompts of KL(pi || pi_0)")
+    p.add_argument("--kl-samples", type=int, default=4, help="sampled completions per probe prompt")
+    p.add_argument("--task", default=None, help="a numeric Reasoning Gym task (default chain_sum, 2 terms of 1-2 "
+                   "digits)")
+    p.add_argument("--task-config", default=None, help="the task's config as JSON (default: the task's own)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--workdir", default="outputs/real_model_learning")
+    p.add_argument("--results", default=results)
 
 
 def main(argv=None) -> int:

@@ -5,23 +5,29 @@ generation batch: generation (transformers `generate`), reward scoring, the meth
 ISOPO's statistics), the loss forward and backward, gradient clipping, the optimizer step and `zero_grad`. Logging
 after the step is not timed.
 
-Every method gets its own real trainer (`trl.GRPOTrainer`, `trl_isopo.ISOPOTrainer`, `trl_isopo.TPOTrainer`) on its
-own copy of the same weights, the same prompts (same `seed`/`data_seed`, Reasoning Gym `chain_sum` with 2 terms of
-1-2 digits) and, in each round, the same RNG seed at the start of the step. Each trainer runs `train()` in its own
-thread, and a baton lets exactly one thread run at a time: round r runs step r of every method in turn (round-robin,
-the order rotated by one each round), so slow drifts of a shared machine hit every method alike. Round 0 is a warm-up
-and is not counted. The default learning rate is tiny (1e-6) so that the weights, and hence the sampled completions
-(lengths), stay nearly the same across methods within a round; the mean completion length of every timed step is
-recorded to check that.
+Every method is a name of `trl_isopo.methods.METHODS` (its trainer class and config fields) and gets its own real
+trainer on its own copy of the same weights, one optimizer step per rollout whatever its protocol's, the same prompts
+(same `seed`/`data_seed`, Reasoning Gym `chain_sum` with 2 terms of 1-2 digits) and, in each round, the same RNG seed
+at the start of the step. Each trainer runs `train()` in its own thread, and a baton lets exactly one thread run at a
+time: round r runs step r of every method in turn (round-robin, the order rotated by one each round), so slow drifts of
+a shared machine hit every method alike. Round 0 is a warm-up and is not counted. The default learning rate is tiny
+(1e-6) so that the weights, and hence the sampled completions (lengths), stay nearly the same across methods within a
+round; the mean completion length of every step is recorded.
 
-Printed per mode (LoRA r=16 on all linear layers of the blocks, and full weights): the median step time of every
-method, its ratio to GRPO's median, the median of the per-round ratios (method step / GRPO step of the same round) and
-the ratio of the fastest steps (on a shared machine contention only ever slows a step down, so minima are steadier),
-and the same for the process CPU time of the step (the other trainer threads are blocked meanwhile), which other jobs
-on the machine disturb far less than wall time.
-`--out` writes everything (settings, every step time, lengths) as JSON.
+Every step records the counters of `benchmarks/step_counters.py` (wall time, CPU time split into user and system, page
+faults, context switches, gc time, the threads' run-queue wait; the other trainer threads are blocked meanwhile), the
+same for its generation phase (`_generate_and_score_completions`), and the process's peak RSS. Printed per mode: every
+round's wall time, then per method min / median / max wall time, max/min, the ratio of medians to GRPO's, the median of
+the per-round ratios, and the medians of the counters. On CPU, glibc malloc keeps freed memory for reuse
+(`trl_isopo.cpu_alloc.keep_freed_memory`, `--malloc cached`, the default): with glibc's stock settings
+(`--malloc system`) every large temporary is mmapped and faulted in again at every step, which put a quarter to a third
+of a full-weight step's CPU time in the kernel on a 2-core VM; `--trim` also hands all free memory back to the OS after every step (the previous
+version of this script did). The raw JSON (settings, every step's counters) is rewritten after every round to `--out`
+(default `benchmarks/results/real_model_steps.json`); `--resume` keeps the modes an earlier run with the same settings
+finished and runs the rest.
 
-    python benchmarks/real_model_steps.py --repeats 3 --threads 1 --out steps.json
+    python benchmarks/real_model_steps.py --threads 2                 # 5 timed rounds, LoRA and full
+    python benchmarks/real_model_steps.py --modes full --malloc system --trim --out /tmp/steps_stock.json
     python benchmarks/real_model_steps.py --methods grpo,isopo,isopo-q,isopo-interacting,tpo --modes lora
     python benchmarks/real_model_steps.py --methods grpo,isopo,isopo-head --modes full   # isopo_lm_head=True
     python benchmarks/real_model_steps.py --quick            # 1 of the 30 layers, 1 round, 4 tokens (smoke test)
@@ -39,25 +45,21 @@ import sys
 import threading
 import time
 
-METHODS = {
-    # name: (module, trainer class, config class, config fields)
-    "grpo": ("trl", "GRPOTrainer", "GRPOConfig", {}),
-    "isopo": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {}),  # ISOPOConfig defaults (p=-1, c=0)
-    "isopo-q": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {"isopo_p": 0.0, "isopo_q": -1.0}),
-    "isopo-interacting": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {"isopo_p": 0.0, "isopo_interacting": True}),
-    "isopo-head": ("trl_isopo", "ISOPOTrainer", "ISOPOConfig", {"isopo_lm_head": True}),  # full weights only
-    "tpo": ("trl_isopo", "TPOTrainer", "TPOConfig", {}),
-}
+from step_counters import COUNTERS, Meter  # benchmarks/step_counters.py (the script's folder is on sys.path)
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
-TARGETS = {"isopo": 1.10, "tpo": 1.05}  # the issue's targets for the step ratio to GRPO
+TARGETS = {"isopo": 1.10, "tpo": 1.05}  # targets for the ratio of median step times to GRPO's
+SPREAD_TARGET = 1.3  # target for max / min step time of every method
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "real_model_steps.json")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default="grpo,isopo,tpo", help=f"comma list from {list(METHODS)}; grpo is added")
+    p.add_argument("--methods", default="grpo,isopo,tpo",
+                   help="comma list of names from trl_isopo.methods.METHODS; grpo (the baseline) is added")
     p.add_argument("--modes", default="lora,full", help="comma list from lora, full")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds after one warm-up round (3; --quick: 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds after one warm-up round (5; --quick: 1)")
     p.add_argument("--threads", type=int, default=1, choices=[1, 2], help="torch intra-op threads")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--generations", type=int, default=8, help="completions per prompt")
@@ -70,7 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--system-prompt", default=None, help="Reasoning Gym system prompt (default: the model's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="smollm2", help="model alias, Hub id or local path")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--malloc", default="cached", choices=["cached", "system"],
+                   help="CPU: cached (default) keeps freed memory for reuse; system: glibc's stock settings")
+    p.add_argument("--trim", action="store_true", help="hand free memory back to the OS after every step")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results, rewritten after every round ({DEFAULT_OUT})")
+    p.add_argument("--resume", action="store_true", help="keep the modes --out already holds for the same settings")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 1 layer, 1 timed round, 2 prompts x 2 completions of at most 4 tokens")
     args = p.parse_args(argv)
@@ -78,7 +84,11 @@ def parse_args(argv=None):
         args.layers, args.prompts, args.generations = args.layers or 1, 2, 2
         args.repeats = args.repeats or 1
         args.max_completion_length = min(args.max_completion_length, 4)
-    args.repeats = 3 if args.repeats is None else args.repeats
+    args.repeats = 5 if args.repeats is None else args.repeats
+    # before torch is first imported (by the method table), so that OpenMP and MKL start with these thread counts
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    from trl_isopo.methods import METHODS
+
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -87,8 +97,9 @@ def parse_args(argv=None):
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in ("lora", "full") for m in args.modes):
         p.error("--modes takes lora and/or full")
-    if "isopo-head" in args.methods and "lora" in args.modes:
-        p.error("isopo-head transforms the LM head, which LoRA freezes: use --modes full")
+    head = [m for m in args.methods if METHODS[m].fields.get("isopo_lm_head")]
+    if head and "lora" in args.modes:
+        p.error(f"{head} transform the LM head, which LoRA freezes: use --modes full")
     if args.repeats < 1 or args.prompts < 1 or args.generations < 2:
         p.error("need --repeats >= 1, --prompts >= 1 and --generations >= 2")
     return args
@@ -121,19 +132,17 @@ def build_data(args):
 
 
 def build_trainer(method, mode, args, path, tokenizer, dataset, reward, clock, output_dir):
-    import importlib
-
     from transformers.trainer_callback import PrinterCallback
 
-    module, trainer_name, config_name, fields = METHODS[method]
-    mod = importlib.import_module(module)
-    trainer_cls, config_cls = getattr(mod, trainer_name), getattr(mod, config_name)
-    from trl_isopo.real.run import rollout_config
+    from trl_isopo.methods import get_method
+    from trl_isopo.real.schedule import rollout_config
 
+    spec = get_method(method)  # one optimizer step per rollout for every method, whatever its protocol's `epochs`
     config = rollout_config(
-        config_cls, output_dir, prompts=args.prompts, generations=args.generations,
+        spec.config_cls, output_dir, prompts=args.prompts, generations=args.generations,
         max_completion_length=args.max_completion_length, temperature=args.temperature,
-        learning_rate=args.learning_rate, max_steps=args.repeats + 1, seed=args.seed, optim=args.optim, **fields,
+        learning_rate=args.learning_rate, max_steps=args.repeats + 1, seed=args.seed, optim=args.optim,
+        **spec.fields,
     )
     peft_config = None
     if mode == "lora":
@@ -143,64 +152,43 @@ def build_trainer(method, mode, args, path, tokenizer, dataset, reward, clock, o
             r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
             task_type="CAUSAL_LM",
         )
-    trainer = trainer_cls(
-        load_model(path, args.layers),
-        reward,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[clock],
-    )
+    trainer = spec.trainer_cls(load_model(path, args.layers), reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, peft_config=peft_config, callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # the step logs are kept by the clock, not printed
+    generate = trainer._generate_and_score_completions
+
+    def timed_generate(inputs):  # the generation phase of the step (sampling, rewards, the method's own extras)
+        begin = clock.meter.read()
+        try:
+            return generate(inputs)
+        finally:
+            clock.generation.append(clock.meter.since(begin))
+
+    trainer._generate_and_score_completions = timed_generate
     return trainer
 
 
-# ---------------------------------------------------------------------------------------------------- timing
-def _libc():
-    import ctypes
-    import ctypes.util
+# ---------------------------------------------------------------------------------------------------- counters
+def malloc_setup(args, arena):
+    """Apply --malloc (CPU only); returns its description for the JSON."""
+    from trl_isopo import cpu_alloc
 
-    if platform.system() != "Linux":
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
+    cached = args.malloc == "cached" and cpu_alloc.keep_freed_memory()
+    return {"malloc": "cached" if cached else "system", "arena_max": 1 if arena else None, "trim_after_step": args.trim}
 
 
-def single_malloc_arena():
-    """glibc gives every thread its own malloc arena and keeps each one's peak: with one trainer per thread, the CPU
-    memory would be the sum of every method's step peak. One shared arena keeps it at one step's peak."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(-8, 1)  # M_ARENA_MAX = 1, before any trainer thread starts
-
-
-def release_free_memory():
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def make_clock(seed, threads):
-    """A TrainerCallback that times each step and lets its trainer's thread run only while it holds the baton."""
+def make_clock(seed, threads, meter):
+    """A TrainerCallback that counts each step and lets its trainer's thread run only while it holds the baton."""
     import torch
     from transformers import TrainerCallback, set_seed
 
     class StepClock(TrainerCallback):
         def __init__(self):
+            self.meter = meter
             self.ready = threading.Event()  # the thread reached its first step
             self.turn = threading.Semaphore(0)  # main -> thread: run one step
             self.done = threading.Semaphore(0)  # thread -> main: the step and its logging are over
-            self.times, self.cpu_times, self.lengths, self.losses = [], [], [], []
+            self.steps, self.generation, self.lengths, self.losses = [], [], [], []
             self.round = 0
             self.error = None
 
@@ -212,32 +200,44 @@ def make_clock(seed, threads):
             torch.set_num_threads(threads)
             set_seed(seed + 1000 * self.round)  # the same RNG stream for every method in a round
             self.round += 1
-            _sync()
-            self._cpu0 = time.process_time()
-            self._t0 = time.perf_counter()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._begin = meter.read()
 
         def on_step_end(self, args, state, control, **kwargs):
-            _sync()
-            self.times.append(time.perf_counter() - self._t0)
-            # CPU seconds of the whole process (every other thread is blocked): much less sensitive than wall time to
-            # other jobs on a shared machine
-            self.cpu_times.append(time.process_time() - self._cpu0)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.steps.append(meter.since(self._begin))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 self.lengths.append(float(logs["completions/mean_length"]))
                 self.losses.append(float(logs.get("loss", float("nan"))))
 
+        def records(self):
+            """One dict per step: the step's counters, its generation phase's (`gen_*`), length and loss."""
+            rows = []
+            for i, step in enumerate(self.steps):
+                row = dict(step)
+                if i < len(self.generation):
+                    row.update({f"gen_{k}": v for k, v in self.generation[i].items()})
+                row["mean_completion_length"] = self.lengths[i] if i < len(self.lengths) else None
+                row["loss"] = self.losses[i] if i < len(self.losses) else None
+                rows.append(row)
+            return rows
+
     return StepClock()
 
 
-def run_mode(mode, args, path, tokenizer, dataset, reward, tmp):
-    """Interleaved steps of every method in `mode`; returns {method: {"times": [...], "lengths": [...]}}."""
+def run_mode(mode, args, path, tokenizer, dataset, reward, tmp, meter, on_round):
+    """Interleaved steps of every method in `mode`; returns {method: [one record per step, warm-up first]}."""
     import torch
+
+    from trl_isopo.cpu_alloc import release_free_memory
 
     clocks, threads = {}, {}
     for method in args.methods:
-        clock = make_clock(args.seed, args.threads)
+        clock = make_clock(args.seed, args.threads, meter)
         trainer = build_trainer(method, mode, args, path, tokenizer, dataset, reward, clock, f"{tmp}/{mode}-{method}")
 
         def work(trainer=trainer, clock=clock):
@@ -265,58 +265,84 @@ def run_mode(mode, args, path, tokenizer, dataset, reward, tmp):
             clock.done.acquire()
             if clock.error:
                 raise RuntimeError(f"{method} ({mode}) failed in round {r}") from clock.error
-            release_free_memory()  # between steps, outside every timed window
+            if args.trim:
+                release_free_memory()  # between steps, outside every timed window
+            s, gen = clock.steps[-1], clock.generation[-1]
             label = "warm-up" if r == 0 else f"round {r}/{args.repeats}"
-            print(f"  [{mode}] {label:>10} {method:<18} {clock.times[-1]:8.2f} s", flush=True)
+            print(f"  [{mode}] {label:>11} {method:<18} {s['wall_s']:7.2f} s wall {s['cpu_s']:7.2f} s CPU "
+                  f"({s['sys_s']:5.2f} sys) {s['minflt'] / 1e3:8.0f}k faults, gen {gen['wall_s']:6.2f} s, "
+                  f"run-queue wait {s['runq_wait_s']:6.2f} s", flush=True)
+        on_round({m: c.records() for m, c in clocks.items()}, complete=False)
     for method, thread in threads.items():
         thread.join(timeout=600)
         if clocks[method].error:
             raise RuntimeError(f"{method} ({mode}) failed at the end of training") from clocks[method].error
-    return {m: {"times": c.times, "cpu_times": c.cpu_times, "lengths": c.lengths, "losses": c.losses}
-            for m, c in clocks.items()}
+    return {m: c.records() for m, c in clocks.items()}
 
 
-def summarize(raw, methods):
-    """Medians (warm-up excluded), ratios to GRPO's median and the median of the per-round ratios."""
-    grpo, grpo_cpu = raw["grpo"]["times"][1:], raw["grpo"]["cpu_times"][1:]
+# ---------------------------------------------------------------------------------------------------- summary
+def summarize(steps, methods):
+    """Per method over the timed rounds (warm-up excluded): min / median / max of wall time, max/min, ratios to GRPO
+    (of medians, of minima, median of the per-round ratios) and the medians of the other counters."""
+    grpo = [s["wall_s"] for s in steps["grpo"][1:]]
+    grpo_cpu = [s["cpu_s"] for s in steps["grpo"][1:]]
     out = {}
     for method in methods:
-        times, cpu = raw[method]["times"][1:], raw[method]["cpu_times"][1:]
-        med = statistics.median(times)
+        timed = steps[method][1:]
+        wall = [s["wall_s"] for s in timed]
+        med = {k: statistics.median(s[k] for s in timed) for k in COUNTERS + ("gen_wall_s", "gen_cpu_s")}
+        lengths = [s["mean_completion_length"] for s in timed if s["mean_completion_length"] is not None]
         out[method] = {
-            "median_cpu_s": statistics.median(cpu),
-            "cpu_ratio_of_medians": statistics.median(cpu) / statistics.median(grpo_cpu),
-            "cpu_times_s": cpu,
-            "median_s": med,
-            "min_s": min(times),
-            "ratio_of_medians": med / statistics.median(grpo),
-            "ratio_of_minima": min(times) / min(grpo),
-            "median_round_ratio": statistics.median(t / g for t, g in zip(times, grpo)),
-            "round_ratios": [t / g for t, g in zip(times, grpo)],
-            "times_s": times,
-            "warmup_s": raw[method]["times"][0],
-            "mean_completion_lengths": raw[method]["lengths"][1:],
+            "rounds": len(timed),
+            "min_s": min(wall),
+            "median_s": med["wall_s"],
+            "max_s": max(wall),
+            "max_over_min": max(wall) / min(wall),
+            "ratio_of_medians": med["wall_s"] / statistics.median(grpo),
+            "ratio_of_minima": min(wall) / min(grpo),
+            "median_round_ratio": statistics.median(t / g for t, g in zip(wall, grpo)),
+            "cpu_ratio_of_medians": med["cpu_s"] / statistics.median(grpo_cpu),
+            "medians": med,
+            "times_s": wall,
+            "warmup_s": steps[method][0]["wall_s"],
+            "mean_completion_length": statistics.mean(lengths) if lengths else None,
+            "peak_rss_mib": max(s["maxrss_mib"] for s in steps[method]),  # the process's, so far
         }
     return out
 
 
-def print_table(mode, summary):
-    print(f"\n{mode}: median full-step time over the timed rounds (warm-up excluded)")
-    print("| method | median s | ratio to GRPO median | median per-round ratio | ratio of minima | median CPU s "
-          "| CPU ratio | target | mean completion length |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def print_table(mode, steps, summary):
+    methods = list(summary)
+    print(f"\n{mode}: wall seconds of every timed round (warm-up excluded)")
+    print("| round | " + " | ".join(methods) + " |")
+    print("|---|" + "---|" * len(methods))
+    for r in range(1, len(steps["grpo"])):
+        print(f"| {r} | " + " | ".join(f"{steps[m][r]['wall_s']:.2f}" for m in methods) + " |")
+    peak = max(s["peak_rss_mib"] for s in summary.values())
+    targets = ", ".join(f"{m} <= {t}" for m, t in TARGETS.items())
+    print(f"\n{mode}: per method over the timed rounds (targets: max/min <= {SPREAD_TARGET}, ratio of medians "
+          f"{targets}); peak RSS of the process {peak / 1024:.1f} GiB")
+    print("| method | min s | median s | max s | max/min | ratio to GRPO median | median per-round ratio "
+          "| median CPU s | median sys s | median minor faults | median run-queue wait s | median gen s | median gc s "
+          "| mean completion length |")
+    print("|---|" + "---|" * 13)
     for method, s in summary.items():
-        target = TARGETS.get(method)
-        lengths = s["mean_completion_lengths"]
-        length = f"{statistics.mean(lengths):.1f}" if lengths else "-"
-        print(f"| {method} | {s['median_s']:.2f} | {s['ratio_of_medians']:.3f} | {s['median_round_ratio']:.3f} | "
-              f"{s['ratio_of_minima']:.3f} | {s['median_cpu_s']:.2f} | {s['cpu_ratio_of_medians']:.3f} | "
-              f"{'<= %.2f' % target if target else '-'} | {length} |")
+        med, length = s["medians"], s["mean_completion_length"]
+        print(f"| {method} | {s['min_s']:.2f} | {s['median_s']:.2f} | {s['max_s']:.2f} | {s['max_over_min']:.2f} "
+              f"| {s['ratio_of_medians']:.3f} | {s['median_round_ratio']:.3f} | {med['cpu_s']:.2f} "
+              f"| {med['sys_s']:.2f} | {med['minflt'] / 1e3:.0f}k | {med['runq_wait_s']:.2f} | {med['gen_wall_s']:.2f} "
+              f"| {med['gc_s']:.2f} | {'-' if length is None else f'{length:.1f}'} |")
 
 
 def main(argv=None):
+    from trl_isopo.cpu_alloc import limit_arenas
+
+    # One malloc arena for every thread, set before any thread exists (importing torch and its first parallel ops start
+    # some, and each takes an arena of its own): the trainer threads run in turn, so one heap holds one step's peak,
+    # not the sum of them. A thread on a second arena also gets every request above 64 MiB mmapped (an arena's heap
+    # is at most 64 MiB), so it would fault its large temporaries in again at every step whatever --malloc says.
+    arena = limit_arenas(1)
     args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
 
     from trl_isopo.tiny import set_offline_env
 
@@ -327,38 +353,66 @@ def main(argv=None):
     import trl
     from transformers import AutoTokenizer
 
+    from trl_isopo.cpu_alloc import release_free_memory
     from trl_isopo.models import resolve_model_name_or_path
 
     torch.set_num_threads(args.threads)
-    single_malloc_arena()
+    allocator = malloc_setup(args, arena)
     path = resolve_model_name_or_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     dataset, reward = build_data(args)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume")} | {"task_config": TASK_CONFIG}
+    result = {"settings": settings, "modes": {}}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        if old.get("settings") == json.loads(json.dumps(settings)):
+            result["modes"] = {m: v for m, v in old.get("modes", {}).items() if v.get("complete")}
+        else:
+            print(f"--resume: {args.out} holds other settings; starting over", flush=True)
     print(f"model {path} ({'first %d layers' % args.layers if args.layers else 'all layers'}), torch threads "
           f"{args.threads}, {args.prompts} prompts x {args.generations} completions, max {args.max_completion_length} "
-          f"tokens, T={args.temperature}, {args.repeats} timed rounds + 1 warm-up, methods {args.methods}", flush=True)
-    result = {
+          f"tokens, T={args.temperature}, {args.repeats} timed rounds + 1 warm-up, methods {args.methods}, "
+          f"allocator {allocator}", flush=True)
+    result |= {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"task_config": TASK_CONFIG},
+        "command": " ".join([os.path.basename(sys.executable), *(sys.argv if argv is None else ["<main>", *argv])]),
         "model_path": path,
         "weights": "Q4_1-quantized SmolLM2-135M-Instruct, dequantized" if "SmolLM2" in path else path,
         "versions": {"torch": torch.__version__, "trl": trl.__version__, "python": platform.python_version()},
         "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "modes": {},
+        "cpus": os.cpu_count(),
+        "allocator": allocator,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            raw = run_mode(mode, args, path, tokenizer, dataset, reward, tmp)
-            summary = summarize(raw, args.methods)
-            result["modes"][mode] = summary
-            print_table(mode, summary)
-            if args.out:  # after every mode, so a later failure keeps what was measured
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=2)
-                print(f"\nwrote {args.out}", flush=True)
-            gc.collect()
-            release_free_memory()
+
+    def write():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)  # a run killed mid-write keeps the previous file
+
+    meter = Meter()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in args.modes:
+                if mode in result["modes"]:
+                    print(f"[{mode}] kept from {args.out}", flush=True)
+                    continue
+
+                def on_round(steps, complete, mode=mode):
+                    result["modes"][mode] = {"complete": complete, "steps": steps}
+                    write()
+
+                steps = run_mode(mode, args, path, tokenizer, dataset, reward, tmp, meter, on_round)
+                result["modes"][mode] = {"complete": True, "steps": steps, "summary": summarize(steps, args.methods)}
+                write()
+                gc.collect()
+                release_free_memory()  # the next mode's trainers start from an empty heap
+        for mode, data in result["modes"].items():
+            print_table(mode, data["steps"], data["summary"])
+        print(f"\nwrote {args.out}", flush=True)
+    finally:
+        meter.close()
     return result
 
 

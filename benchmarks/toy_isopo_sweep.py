@@ -6,17 +6,20 @@ are kept in the JSON-lines file and skipped on a restart.
 
     python benchmarks/toy_isopo_sweep.py                       # train what is missing, then print the table
     python benchmarks/toy_isopo_sweep.py --report-only         # only the table (markdown)
-    python benchmarks/toy_isopo_sweep.py --episodes 120 --methods isopo-reg0,reinforce
+    python benchmarks/toy_isopo_sweep.py --episodes 120 --methods isopo,reinforce
+
+Methods are names in `trl_isopo.methods`; results stored under a name whose setting has changed since (the sweep's
+`isopo` was c = 1, now `isopo-c1`; its `isopo-reg0` is today's `isopo`) are read under today's name
+(`trl-isopo compare`'s `load_results`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-GROUPS = ["isopo,isopo-reg0,reinforce", "isopo-c0.1,isopo-c0.01", "isopo-ema-median,isopo-batch-median", "isopo-q0"]
+GROUPS = ["isopo-c1,isopo,reinforce", "isopo-c0.1,isopo-c0.01", "isopo-ema-median,isopo-batch-median", "isopo-q"]
 SOLVED_BELOW = 0.25
 
 
@@ -29,15 +32,12 @@ def compare_argv(methods: str, episodes: int, seeds: str, output: str) -> list[s
 
 def markdown(path: str, episodes: int, methods: list[str] | None = None) -> str:
     """Per-seed markdown table: final error and KL per seed, seed mean, solved count, per method."""
+    from trl_isopo.scripts.compare import load_results
+
     rows: dict[str, list[dict]] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r["setting"]["episodes"] == episodes and (methods is None or r["method"] in methods):
-                rows.setdefault(r["method"], []).append(r)
+    for r in load_results(path):
+        if r["setting"]["episodes"] == episodes and (methods is None or r["method"] in methods):
+            rows.setdefault(r["method"], []).append(r)
     out = ["| method | label | epochs | lr | final error % per seed (0 / 1 / 2 / 3) | mean | min over run % per seed "
            "| KL per seed (nats) | seeds <= 25% | s/run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in methods or rows:
@@ -59,7 +59,7 @@ def markdown(path: str, episodes: int, methods: list[str] | None = None) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", help="comma-separated registry names (default: the sweep's groups, in order)")
+    p.add_argument("--methods", help="comma-separated names in trl_isopo.methods (default: the sweep's groups, in order)")
     p.add_argument("--episodes", type=int, default=60)
     p.add_argument("--seeds", default="0-3")
     p.add_argument("--output", default=None, help="default outputs/isopo_reg_sweep.jsonl (60 episodes) or "

@@ -349,12 +349,18 @@ def add_run_options(p, *, prompts, eval_size, kl_prompts, micro_batch, results) 
     p.add_argument("--results", default=results)
 
 
-def main(argv=None) -> int:
+def run_command(build_parser, commands: dict, argv=None) -> int:
+    """A script's `main` (this one's and benchmarks/real_model_protocol.py's): the Hub offline, then `argv` parsed by
+    `build_parser()` and its subcommand run (`commands`: name -> function of the parsed arguments)."""
     from trl_isopo.tiny import set_offline_env
 
     set_offline_env()
     args = build_parser().parse_args(argv)
-    return {"run": cmd_run, "report": cmd_report, "sweep": cmd_sweep}[args.command](args)
+    return commands[args.command](args)
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser, {"run": cmd_run, "report": cmd_report, "sweep": cmd_sweep}, argv)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from trl_isopo.tiny import set_offline_env
-
-    set_offline_env()
-    args = build_parser().parse_args(argv)
-    return {"run": cmd_run, "pick": cmd_pick, "analyze": cmd_analyze}[args.command](args)
+    return _learning().run_command(build_parser, {"run": cmd_run, "pick": cmd_pick, "analyze": cmd_analyze}, argv)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ one row, statistics from explicit V_i, the solve from `torch.linalg.solve`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
 import torch
-import torch.nn as nn
 
 from trl_isopo import ISOPOConfig, ISOPOTrainer
 
@@ -92,6 +92,26 @@ def surrogate_logps(trainer, inputs):
     return logps
 
 
+@contextlib.contextmanager
+def layer_io(layers):
+    """Yields a dict that the forwards inside the block fill with name -> (input X detached, output) of each module in
+    `layers` (name -> module); the output keeps its graph, for `autograd.grad` with respect to it."""
+    store = {}
+
+    def hook(name):
+        def fn(module, args, out):
+            store[name] = (args[0].detach(), out)
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def per_sequence_data(trainer, inputs):
     """For every sequence i: V_i (weight grads) and bias grads of each covered layer, grads of all other trainable
     parameters, and each covered layer's input a_t and output gradient delta_t (rows of the full micro-batch).
@@ -105,25 +125,11 @@ def per_sequence_data(trainer, inputs):
     data = {"V": {n: [] for n in layers}, "b": {n: [] for n in layers}, "grads": [], "X": {n: [] for n in layers}, "G": {n: [] for n in layers}}
     for b in range(B):
         r = row(inputs, b)
-        store = {}
-
-        def fwd_hook(name):
-            def hook(module, args, out):
-                store[name] = (args[0].detach(), out)
-                out.retain_grad()
-
-            return hook
-
-        handles = [m.register_forward_hook(fwd_hook(n)) for n, m in layers.items()]
-        try:
+        with layer_io(layers) as store:
             logps = surrogate_logps(trainer, r)
-            loss = -(logps * r["completion_mask"]).sum() / n_tok
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
-            outs = [store[n][1] for n in layers]
-            gouts = torch.autograd.grad(loss, outs, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
+        loss = -(logps * r["completion_mask"]).sum() / n_tok
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
+        gouts = torch.autograd.grad(loss, [store[n][1] for n in layers], allow_unused=True)
         g = {n: (torch.zeros_like(p) if gr is None else gr) for (n, p), gr in zip(params.items(), grads)}
         data["grads"].append(g)
         for (n, m), go in zip(layers.items(), gouts):

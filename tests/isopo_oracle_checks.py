@@ -25,6 +25,21 @@ def isopo_grads(trainer, inputs):
     return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
+def isopo_grads_fixed(trainer, inputs, samples, ema=None):
+    """`isopo_grads` with each covered layer's Fisher sample fixed (`samples`: name -> flat token indices) and, when
+    given, the EMA history `ema`; both are cleared afterwards and the pass's pending EMA values dropped."""
+    ctx = trainer.isopo_backward
+    if ema is not None:
+        ctx.ema.ema = ema
+    ctx.sampler.override = samples
+    try:
+        return isopo_grads(trainer, inputs)
+    finally:
+        ctx.sampler.override = None
+        ctx.ema.ema = {}
+        ctx.ema.discard_step()
+
+
 def set_settings(trainer, **kw):
     trainer.isopo_backward.settings = ISOPOSettings(**{**trainer.isopo_backward.settings.__dict__, **kw})
 
@@ -49,7 +64,6 @@ def check_isopo_matches_oracle(setup, knobs, sample_mode, route, tol=tol):
     """The trainer's gradients of every trainable parameter for one setting, route and Fisher sample vs the oracle
     (`tol(name)`: the tolerance of parameter `name`)."""
     trainer, inputs, data = setup
-    ctx = trainer.isopo_backward
     covered = trainer.isopo_coverage["covered"]
     valid = data["mask"].reshape(-1).nonzero().squeeze(1)
     samples = fixed_samples(data, trainer) if sample_mode == "fixed" else {n: valid for n in covered}
@@ -66,14 +80,8 @@ def check_isopo_matches_oracle(setup, knobs, sample_mode, route, tol=tol):
     # so the EMA history is stored in those units: e and f scale with it, rho does not.
     n_tok = float(inputs["completion_mask"].sum())
     units = {"e": n_tok**2, "f": n_tok**2, "rho": 1.0}
-    ctx.ema.ema = {f"{n}/{k}": v * units[k] for n, d in mus.items() for k, v in d.items()}
-    ctx.sampler.override = samples
-    try:
-        got = isopo_grads(trainer, inputs)
-    finally:
-        ctx.sampler.override = None
-        ctx.ema.ema = {}
-        ctx.ema.discard_step()
+    ema = {f"{n}/{k}": v * units[k] for n, d in mus.items() for k, v in d.items()}
+    got = isopo_grads_fixed(trainer, inputs, samples, ema)
     for n in covered:
         want = torch.einsum("b,boi->oi", expected[n], data["V"][n])
         assert rel_err(got[f"{n}.weight"], want) < TOL, n

@@ -1,5 +1,6 @@
-"""Shared by the recipe tests (tests/test_recipes.py, tests/test_recipes_smollm2.py): the recipes, the overrides that
-make one a 2-step CPU run on the tiny offline model, and the checks of such a run."""
+"""Shared by the recipe tests (tests/test_recipes.py, tests/test_recipes_smollm2.py, tests/test_qlora.py): the recipes,
+the overrides that make one a 2-step CPU run on the tiny offline model (or on the real model), and the checks of such a
+run."""
 
 import glob
 import os
@@ -58,6 +59,16 @@ def tiny_overrides(recipe_path, model_dir, output_dir, max_steps=2, world_size=1
     else:
         args += ["--dataset_size", "8"]
     return args
+
+
+def real_overrides(output_dir):
+    """Small sizes for 2 optimizer steps on the real model: 2 prompts x 4 completions of 8 tokens per step."""
+    return [
+        "--output_dir", output_dir, "--max_steps", "2", "--per_device_train_batch_size", "8",
+        "--num_generations", "4", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
+        "--max_completion_length", "8", "--dataset_size", "8", "--save_strategy", "no", "--logging_steps", "1",
+        "--report_to", "none", "--disable_tqdm", "true", *CPU,
+    ]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

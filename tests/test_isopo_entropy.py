@@ -11,8 +11,8 @@ Oracles (float64):
 import numpy as np
 import pytest
 import torch
-from isopo_oracle import dense_weights, make_batch, make_trainer, rel_err, row, surrogate_logps
-from test_isopo_kl import BETA, isopo_grads, kl_oracle, with_reference
+from isopo_oracle import dense_weights, layer_io, make_batch, make_trainer, rel_err, row, surrogate_logps
+from kl_support import BETA, isopo_grads, kl_oracle, with_reference
 
 from trl_isopo.isopo.isopo_backward import ISOPOSettings
 from trl_isopo.tiny import build_tiny_causal_lm
@@ -64,6 +64,17 @@ def set_knobs(trainer, **knobs):
     ctx.settings = ISOPOSettings(**{**ctx.settings.__dict__, "fisher_tokens": 0, **knobs})
 
 
+def grads_without_and_with(trainer, inputs, term, coef):
+    """ISOPO gradients with the trainer's `term` coefficient at 0, then at `coef`; each pass's pending EMA values are
+    dropped (no optimizer step follows)."""
+    grads = []
+    for value in (0.0, coef):
+        setattr(trainer, term, value)
+        grads.append(isopo_grads(trainer, inputs))
+        trainer.isopo_backward.ema.discard_step()
+    return grads
+
+
 def check_identity(got, base, *extras, tol=TOL):
     """got == base + sum(extras) for every parameter; returns the worst relative error."""
     assert set(got) == set(base)
@@ -89,12 +100,7 @@ def test_entropy_bonus_is_added_unweighted(tiny_tokenizer, tmp_path, knobs, othe
     set_knobs(trainer, **knobs)
     inputs = make_batch(tiny_tokenizer)
     want = entropy_oracle(trainer, inputs, COEF)
-    trainer.entropy_coef = 0.0
-    base = isopo_grads(trainer, inputs)
-    trainer.isopo_backward.ema.discard_step()
-    trainer.entropy_coef = COEF
-    got = isopo_grads(trainer, inputs)
-    trainer.isopo_backward.ema.discard_step()
+    base, got = grads_without_and_with(trainer, inputs, "entropy_coef", COEF)
     check_identity(got, base, want, tol=ENT_TOL)
     assert all(want[f"{n}.weight"].norm() > 0 for n in trainer.isopo_coverage["covered"])
 
@@ -133,23 +139,11 @@ def masked_per_sequence_data(trainer, inputs, keep):
     n_tok = inputs["completion_mask"].sum().double()
     data = {"V": {n: [] for n in layers}, "X": {n: [] for n in layers}, "G": {n: [] for n in layers}, "grads": []}
     for b in range(inputs["prompt_ids"].shape[0]):
-        r, store = row(inputs, b), {}
-
-        def hook(name):
-            def fn(module, args, out):
-                store[name] = (args[0].detach(), out)
-
-            return fn
-
-        handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
-        try:
-            logps = surrogate_logps(trainer, r)  # TRL's forward, as tests/isopo_oracle.py (float32 parts cancel)
-            loss = -(logps * keep[b : b + 1]).sum() / n_tok
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
-            gouts = torch.autograd.grad(loss, [store[n][1] for n in layers], allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
+        with layer_io(layers) as store:  # TRL's forward, as tests/isopo_oracle.py (float32 parts cancel)
+            logps = surrogate_logps(trainer, row(inputs, b))
+        loss = -(logps * keep[b : b + 1]).sum() / n_tok
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
+        gouts = torch.autograd.grad(loss, [store[n][1] for n in layers], allow_unused=True)
         g = {n: torch.zeros_like(p) if gr is None else gr for (n, p), gr in zip(params.items(), grads)}
         data["grads"].append(g)
         for (n, _), go in zip(layers.items(), gouts):
@@ -207,12 +201,7 @@ def test_router_aux_loss_is_added_unweighted(tiny_tokenizer, tmp_path):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     want = plain_grads(trainer, COEF * trainer.model(input_ids=ids, attention_mask=att, output_router_logits=True).aux_loss)
-    trainer.router_aux_loss_coef = 0.0
-    base = isopo_grads(trainer, inputs)
-    trainer.isopo_backward.ema.discard_step()
-    trainer.router_aux_loss_coef = COEF
-    got = isopo_grads(trainer, inputs)
-    trainer.isopo_backward.ema.discard_step()
+    base, got = grads_without_and_with(trainer, inputs, "router_aux_loss_coef", COEF)
     router = [n for n in want if "mlp.gate" in n]
     assert router and all(want[n].norm() > 0 for n in router)
     check_identity(got, base, want)
@@ -267,29 +256,19 @@ def test_two_processes_keep_identical_parameters(tmp_path):
 
 
 def _two_process_main(out: str):  # run by `accelerate launch` on this file
-    import hashlib
     import json
 
-    from accelerate import PartialState
+    from ddp_support import tiny_world, train_fingerprint
 
     from trl_isopo import ISOPOTrainer
-    from trl_isopo.tiny import load_tiny_tokenizer, make_tiny_model_dir, tiny_prompt_dataset, tiny_reward
+    from trl_isopo.tiny import load_tiny_tokenizer, tiny_prompt_dataset, tiny_reward
 
-    torch.set_num_threads(1)
-    state = PartialState(cpu=True)
-    model_dir = out + ".model"
-    with state.main_process_first():
-        make_tiny_model_dir(model_dir)
+    state, model_dir = tiny_world(out)
     trainer = ISOPOTrainer(model_dir, tiny_reward, args=_args(out + ".run"), train_dataset=tiny_prompt_dataset(64),
                            processing_class=load_tiny_tokenizer(model_dir))
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    digest, changed = hashlib.sha256(), False
-    for n, p in trainer.model.named_parameters():
-        digest.update(p.detach().cpu().numpy().tobytes())
-        changed |= not torch.equal(before[n], p)
+    run = train_fingerprint(trainer)
     with open(f"{out}.rank{state.process_index}.json", "w") as f:
-        json.dump({"world_size": state.num_processes, "param_hash": digest.hexdigest(), "changed": changed,
+        json.dump({"world_size": state.num_processes, **run,
                    "entropy_coef": [h["entropy_coef"] for h in trainer.state.log_history if "entropy_coef" in h]}, f)
 
 

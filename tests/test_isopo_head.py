@@ -186,7 +186,7 @@ def test_train_and_resume_with_isopo_head(tiny_model_dir, tiny_tokenizer, tmp_pa
     and 2 steps + resume + 2 steps equal 4 straight steps bit for bit."""
     import json
 
-    from test_isopo_trainer import config, resume_and_compare, run
+    from isopo_trainer_support import config, resume_and_compare, run
 
     common = dict(max_steps=4, isopo_reg=1.0, isopo_lm_head=True, save_strategy="steps", save_steps=2,
                   learning_rate=3e-2)

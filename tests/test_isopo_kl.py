@@ -4,55 +4,21 @@ Oracle (float64): grad_ISOPO(beta) = grad_ISOPO(beta = 0) + plain autograd of be
 trainable parameter, on every ISOPO variant and other-parameter mode.
 """
 
-import hashlib
 import json
 import os
 import sys
 
 import pytest
 import torch
-from isopo_oracle import make_batch, make_trainer, rel_err, surrogate_logps
+from isopo_oracle import make_batch, make_trainer, rel_err
+from kl_support import BETA, isopo_grads, kl_oracle, with_reference
 from peft import LoraConfig
 
 from trl_isopo.isopo.isopo_backward import ISOPOSettings
 from trl_isopo.tiny import build_tiny_causal_lm
 
-BETA = 0.3
 TOL = 1e-10
 HEAD_TOL = 1e-6  # TRL's fused head accumulates the LM-head weight gradient in float32 even for float64 inputs
-
-
-def isopo_grads(trainer, inputs):
-    trainer.model.zero_grad(set_to_none=True)
-    with trainer.isopo_active():
-        loss = trainer.compute_loss(trainer.model, inputs)
-        loss.backward()
-    assert not trainer._surrogate_kl.pending and not trainer.isopo_backward.plain_active
-    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-
-def kl_oracle(trainer, inputs, beta, bias_correction):
-    """Plain autograd (outside the ISOPO window) of beta * k3, normalized like bnpo (GA = 1), as in GRPO's loss."""
-    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    logps = surrogate_logps(trainer, inputs)
-    ref = inputs["ref_per_token_logps"]
-    kl = torch.exp(ref - logps) - (ref - logps) - 1
-    if bias_correction:
-        kl = kl * torch.exp(logps - logps.detach())
-    mask = inputs["completion_mask"].to(kl.dtype)
-    loss = beta * (kl * mask).sum() / mask.sum()
-    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-    return {n: g for n, g in zip(params, grads) if g is not None}, float((kl.detach() * mask).sum() / mask.sum())
-
-
-def with_reference(trainer, inputs, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        logps = surrogate_logps(trainer, inputs)
-    out = dict(inputs)
-    out["ref_per_token_logps"] = (logps + 0.3 * torch.randn(logps.shape, generator=g, dtype=logps.dtype)).detach()
-    return out
-
 
 VARIANTS = [
     pytest.param(dict(p=-1.0, reg=1.0), "advantage_weighted", id="p=-1,c=1"),
@@ -162,16 +128,12 @@ def test_two_processes_with_beta_keep_identical_parameters(tmp_path):
 
 
 def _two_process_main(out: str):  # run by `accelerate launch` on this file
-    from accelerate import PartialState
+    from ddp_support import tiny_world, train_fingerprint
 
     from trl_isopo import ISOPOConfig, ISOPOTrainer
-    from trl_isopo.tiny import load_tiny_tokenizer, make_tiny_model_dir, tiny_prompt_dataset, tiny_reward
+    from trl_isopo.tiny import load_tiny_tokenizer, tiny_prompt_dataset, tiny_reward
 
-    torch.set_num_threads(1)
-    state = PartialState(cpu=True)
-    model_dir = out + ".model"
-    with state.main_process_first():
-        make_tiny_model_dir(model_dir)
+    state, model_dir = tiny_world(out)
     args = ISOPOConfig(
         output_dir=out + ".run", report_to="none", use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
@@ -180,18 +142,11 @@ def _two_process_main(out: str):  # run by `accelerate launch` on this file
     )
     trainer = ISOPOTrainer(model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(64),
                            processing_class=load_tiny_tokenizer(model_dir))
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
-    digest = hashlib.sha256()
-    changed = False
-    for n, p in trainer.model.named_parameters():
-        digest.update(p.detach().cpu().numpy().tobytes())
-        changed |= not torch.equal(before[n], p)
+    run = train_fingerprint(trainer)
     with open(f"{out}.rank{state.process_index}.json", "w") as f:
         json.dump({
             "world_size": state.num_processes,
-            "param_hash": digest.hexdigest(),
-            "changed": changed,
+            **run,
             "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h],
         }, f)
 

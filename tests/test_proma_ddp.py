@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 from proma_steps import DDP_KNOBS, DDP_SEEDS, make_trainer, micro_batches, run_step, sketches_by_content  # noqa: E402
-from test_proma_oracle import assert_matches  # noqa: E402
+from proma_oracle import assert_matches  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,9 @@
 """Intra-micro-batch PROMA (arXiv 2601.10498 v4, abstract; the factored projection) against the float64 oracle
-of test_proma_oracle.py, alone and combined with accumulation, plus the projector's algebra and limits."""
+of tests/proma_oracle.py, alone and combined with accumulation, plus the projector's algebra and limits."""
 
 import pytest
 import torch
-from test_proma_math import SHAPES
-from test_proma_oracle import F64, assert_matches, chain_batches, micro_batch, oracle_basis, oracle_fit, oracle_step
+from proma_oracle import F64, SHAPES, assert_matches, chain_batches, micro_batch, oracle_basis, oracle_fit, oracle_step
 
 from trl_isopo.proma import PROMASettings, factored_basis, proma_layer_step
 from trl_isopo.proma.intra import draw_sketches, project, sketch_size

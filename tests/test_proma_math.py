@@ -1,19 +1,13 @@
 """Accumulation PROMA (arXiv 2601.10498 v4 §2) against the float64 oracle, plus the limits and invariances that
-follow from its math. The oracle and the micro-batch builder are in test_proma_oracle.py."""
+follow from its math. The oracle and the micro-batch builder are in tests/proma_oracle.py."""
 
 import pytest
 import torch
-from test_proma_oracle import F64, assert_matches, chain_batches, flat, micro_batch, oracle_fit, oracle_step, unit
+from proma_oracle import F64, SHAPES, assert_matches, chain_batches, flat, micro_batch, oracle_fit, oracle_step, unit
 
 from trl_isopo.proma import PROMASettings, proma_layer_step
 from trl_isopo.proma.accumulation import gram_schmidt_coefficients, normalized_kernel, running_overlaps
 
-SHAPES = {  # (d_in, d_out)
-    "full": (5, 7),
-    "wide-in": (9, 3),
-    "lora_A": (6, 2),  # rank-r adapter factors: d_out = r
-    "lora_B": (2, 6),  # d_in = r
-}
 KNOBS = {
     "s=1": dict(),
     "s=0.5,beta=0.3": dict(shrinkage=0.5, relative_bound=0.3),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_proma_oracle import micro_batch
+from proma_oracle import micro_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trl_isopo

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 from proma_steps import F64, make_trainer, micro_batches, oracle_step_grads, per_sequence_data, run_step  # noqa: E402
-from test_proma_oracle import assert_matches  # noqa: E402
+from proma_oracle import assert_matches  # noqa: E402
 
 from trl_isopo.isopo.kl import k3_per_token  # noqa: E402
 from trl_isopo.proma import PROMAConfig, PROMATrainer  # noqa: E402

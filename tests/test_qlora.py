@@ -16,7 +16,7 @@ bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 from isopo_oracle import DEVICE, dense_weights, make_batch, make_trainer, per_sequence_data, rel_err  # noqa: E402
-from isopo_oracle_checks import isopo_grads, set_settings  # noqa: E402
+from isopo_oracle_checks import isopo_grads_fixed, set_settings  # noqa: E402
 
 ADAPTED = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # float32 compute through the quantized base (bitsandbytes has no float64 4-bit matmul); the per-sequence oracle runs
@@ -88,14 +88,7 @@ def test_isopo_matches_oracle_through_a_4bit_base(qlora_setup, knobs):
     covered = trainer.isopo_coverage["covered"]
     valid = data["mask"].reshape(-1).nonzero().squeeze(1)
     set_settings(trainer, **knobs, route="auto", fisher_tokens=0, interacting=False)
-    ctx = trainer.isopo_backward
-    ctx.sampler.override = {n: valid for n in covered}
-    try:
-        got = isopo_grads(trainer, inputs)
-    finally:
-        ctx.sampler.override = None
-        ctx.ema.ema = {}
-        ctx.ema.discard_step()
+    got = isopo_grads_fixed(trainer, inputs, {n: valid for n in covered})
     A = inputs["advantages"]
     worst = 0.0
     for n in covered:
@@ -136,8 +129,7 @@ def test_cli_qlora_two_steps_on_the_tiny_model(method, tiny_model_dir, tmp_path,
 def test_cli_qlora_two_steps_on_smollm2(method, smollm2_dir, tmp_path, fresh_state):
     """`--load_in_4bit true` on the real model (SmolLM2-135M-Instruct, the `smollm2` alias), 2 optimizer steps."""
     pytest.importorskip("reasoning_gym")
-    from recipe_support import ROOT, check_two_steps
-    from test_recipes_smollm2 import real_overrides
+    from recipe_support import ROOT, check_two_steps, real_overrides
 
     from trl_isopo.scripts import train as train_script
 

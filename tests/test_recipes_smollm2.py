@@ -15,6 +15,7 @@ from recipe_support import (  # noqa: E402
     ROOT,
     check_two_steps,
     fresh_accelerate_state,  # noqa: F401  (autouse)
+    real_overrides,
     run_recipe,
 )
 
@@ -66,16 +67,6 @@ def test_smollm2_recipe_runs_two_steps_on_the_tiny_model(recipe, tiny_model_dir,
     trainer = run_recipe(recipe, tiny_model_dir, out)
     check_two_steps(trainer, recipe, str(out))
     assert [f.__name__ for f in trainer.reward_funcs] == ["reasoning_gym_last_number"]
-
-
-def real_overrides(output_dir):
-    """Small sizes for 2 optimizer steps on the real model: 2 prompts x 4 completions of 8 tokens per step."""
-    return [
-        "--output_dir", output_dir, "--max_steps", "2", "--per_device_train_batch_size", "8",
-        "--num_generations", "4", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
-        "--max_completion_length", "8", "--dataset_size", "8", "--save_strategy", "no", "--logging_steps", "1",
-        "--report_to", "none", "--disable_tqdm", "true", *CPU,
-    ]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ Public API (everything else may change):
   model id is accepted by `trl-isopo train`.
 """
 
-from importlib import import_module
+from .lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -39,8 +39,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'trl_isopo' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -5,20 +5,16 @@ import os
 import sys
 
 import torch
-from accelerate import PartialState
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ddp_support import tiny_world  # noqa: E402
 from isopo_steps import SETTINGS, make_trainer, micro_batch, run_steps, with_reference  # noqa: E402
 
-from trl_isopo.tiny import load_tiny_tokenizer, make_tiny_model_dir  # noqa: E402
+from trl_isopo.tiny import load_tiny_tokenizer  # noqa: E402
 
 
 def main(out: str, data_seeds: str):
-    torch.set_num_threads(1)
-    state = PartialState(cpu=True)
-    model_dir = out + ".model"
-    with state.main_process_first():
-        make_tiny_model_dir(model_dir)
+    state, model_dir = tiny_world(out)
     tokenizer = load_tiny_tokenizer(model_dir)
     seed = [int(s) for s in data_seeds.split(",")][state.process_index]
     results = {}

@@ -6,20 +6,17 @@ import os
 import sys
 
 import torch
-from accelerate import PartialState
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from ddp_support import tiny_world  # noqa: E402
 from proma_steps import DDP_KNOBS, DDP_SEEDS, make_trainer, micro_batches, run_step, sketches_by_content  # noqa: E402
 
-from trl_isopo.tiny import load_tiny_tokenizer, make_tiny_model_dir  # noqa: E402
+from trl_isopo.tiny import load_tiny_tokenizer  # noqa: E402
 
 
 def main(out: str):
-    torch.set_num_threads(1)
-    state = PartialState(cpu=True)
-    model_dir = out + ".model"
-    with state.main_process_first():
-        make_tiny_model_dir(model_dir)
+    state, model_dir = tiny_world(out)
     tokenizer = load_tiny_tokenizer(model_dir)
     results = {}
     for setting, knobs in DDP_KNOBS.items():

@@ -4,7 +4,7 @@ and the 2-process script tests/scripts/proma_ddp.py.
 `run_step` drives `PROMATrainer.training_step` as TRL's loop does for one optimizer step (gradient sync on the last
 micro-batch only). `oracle_step_grads` rebuilds the same step from per-sequence autograd gradients (one forward and
 backward per sequence, through TRL's own forward outside the PROMA window) and the dense projections of
-tests/test_proma_oracle.py: the ridge fit by lstsq, the intra projectors from an SVD of the sketched range.
+tests/proma_oracle.py: the ridge fit by lstsq, the intra projectors from an SVD of the sketched range.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from isopo_oracle import make_batch, surrogate_logps  # noqa: E402
+from isopo_oracle import layer_io, make_batch, surrogate_logps  # noqa: E402
 from isopo_steps import prepared_trainer  # noqa: E402
-from test_proma_oracle import oracle_basis, oracle_step  # noqa: E402
+from proma_oracle import oracle_basis, oracle_step  # noqa: E402
 
 from trl_isopo.proma import PROMAConfig, PROMATrainer, sketch_seed  # noqa: E402
 from trl_isopo.proma.intra import draw_sketches, sketch_size  # noqa: E402
@@ -76,20 +76,8 @@ def per_sequence_data(trainer: PROMATrainer, inputs: dict, ga: int = 1) -> dict:
     log-prob kernel rounds d loss / d logits to float32, so scaling afterwards would differ at 1e-7 for ga = 3."""
     layers = {n: m for n, m in trainer.model.named_modules() if n in set(trainer.proma_coverage["covered"])}
     params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    store = {}
-
-    def hook(name):
-        def fn(module, args, out):
-            store[name] = (args[0].detach(), out)
-
-        return fn
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
-    try:
+    with layer_io(layers) as store:
         logps = surrogate_logps(trainer, inputs)
-    finally:
-        for h in handles:
-            h.remove()
     mask = inputs["completion_mask"].to(logps.dtype)
     per_seq = -(logps * mask).sum(1) / (mask.sum().clamp(min=1.0) * ga)
     outs = [store[n][1] for n in layers]
@@ -112,7 +100,7 @@ def oracle_step_grads(trainer: PROMATrainer, window: list[dict], global_step: in
                       plain: bool = False) -> dict[str, torch.Tensor]:
     """The expected gradients of one optimizer step over `window` (bnpo: each micro-batch's token mean / GA).
 
-    Covered weights and biases: the PROMA chain over the micro-batches by `test_proma_oracle.oracle_step` (biases:
+    Covered weights and biases: the PROMA chain over the micro-batches by `proma_oracle.oracle_step` (biases:
     accumulation only, on their own per-sequence gradients). Other parameters: sum_i A_i grad_i (advantage-weighted).
     `plain`: the plain sum sum_m G_m for every covered layer (the negative control).
     """

@@ -4,8 +4,7 @@ The math (`accumulation`, `intra`, `projection`) imports without TRL; `PROMAConf
 lazily.
 """
 
-from importlib import import_module
-
+from ..lazy import lazy_getattr
 from .accumulation import (
     accumulation_coefficients,
     dense_accumulation_step,
@@ -51,8 +50,4 @@ __all__ = [
     "sketch_seed",
 ]
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -4,8 +4,7 @@ Not TRL's `trl.experimental.tpo` (Triple Preference Optimization). The math in `
 without TRL; `TPOConfig` / `TPOTrainer` are loaded lazily.
 """
 
-from importlib import import_module
-
+from ..lazy import lazy_getattr
 from .grouping import check_whole_groups, shuffle_groups, validate_group_batching
 from .target import sequence_logps, standardize_group_scores, tpo_group_stats, tpo_loss, tpo_target
 
@@ -25,8 +24,4 @@ __all__ = [
     "validate_group_batching",
 ]
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -5,7 +5,8 @@ For each shape it builds one GRPOTrainer and one PROMATrainer per variant (accum
 .backward()` of each, interleaved over `--repeats` rounds in one process. PROMA runs at micro-batch index 1 of its
 optimizer step, with a running gradient S from a warm-up call, so accumulation projects (index 0 has S = 0 and costs
 no more than GRPO). Printed: the median of the per-round time ratios over GRPO, the ratio of the fastest runs (on a
-shared machine contention only slows a run down) and the median milliseconds.
+shared machine contention only slows a run down) and the median milliseconds. On CPU glibc keeps freed memory for
+reuse (`--malloc cached`, the default; `--malloc system` for its stock settings).
 
     python benchmarks/proma_overhead.py                                # shapes lora896, full896
     python benchmarks/proma_overhead.py --shapes full896 --seq 256 --repeats 9 --threads 2
@@ -63,7 +64,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--intra-dim", type=int, default=30)
+    ap.add_argument("--malloc", default="cached", choices=["cached", "system"],
+                    help="CPU: `cached` keeps freed memory in the process (trl_isopo.cpu_alloc), as isopo_overhead.py "
+                         "does, so that no run pays for faulting its large temporaries in again; `system`: glibc's")
     args = ap.parse_args(argv)
+    if args.malloc == "cached":
+        from trl_isopo.cpu_alloc import keep_freed_memory
+
+        keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     from trl import GRPOConfig, GRPOTrainer
@@ -72,7 +80,7 @@ def main(argv=None):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"device={device} threads={torch.get_num_threads()} batch={args.batch} seq={args.seq} vocab={args.vocab} "
-          f"repeats={args.repeats} intra_dim={args.intra_dim} torch={torch.__version__}")
+          f"repeats={args.repeats} intra_dim={args.intra_dim} torch={torch.__version__} malloc={args.malloc}")
     for shape in args.shapes.split(","):
         model, tokenizer, cfg, lora_r = build(shape, args.vocab)
         out = tempfile.mkdtemp()

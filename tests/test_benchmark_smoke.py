@@ -45,6 +45,19 @@ def test_gpu_check_smoke(tmp_path):
     assert report["head"]["returncode"] == 0 and report["head"]["results"]["ISOPO head p=-1"]["ms"] > 0
 
 
+
+def test_proma_overhead_benchmark_smoke():
+    """Both PROMA variants and GRPO time on the smallest shape; one row each, ratios relative to GRPO's row."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "proma_overhead.py"), "--shapes", "small", "--repeats", "1",
+           "--seq", "32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "malloc=cached" in out.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()
+            if line.strip().startswith(("grpo ", "proma-accumulation ", "proma-intra "))}
+    assert set(rows) == {"grpo", "proma-accumulation", "proma-intra"}, out.stdout
+    assert rows["grpo"][1:] == ["1.000", "1.000"] and all(float(v[0]) > 0 for v in rows.values())
+
 def test_isopo_overhead_benchmark_profiles_one_layer_shape():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "isopo_overhead.py"), "--profile-layer", "24,8", "--seq", "32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)

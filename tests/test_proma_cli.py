@@ -51,3 +51,17 @@ def test_cli_entry_point_with_the_intra_variant(tiny_model_dir, jsonl, tmp_path,
 def test_knobs_of_another_method_are_refused(tiny_model_dir, jsonl, tmp_path):
     with pytest.raises(ValueError, match=r"Unknown argument\(s\) for `trl-isopo proma`: \['--isopo_p'"):
         train_script.run([*small_run(tiny_model_dir, jsonl, tmp_path), "--isopo_p", "-1"], method="proma")
+
+
+def test_quickstart_example_runs():
+    """examples/proma_quickstart.py (the README's offline PROMA example) trains and logs PROMA's metrics."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "proma_quickstart.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'proma/projected_fraction'" in out.stdout.splitlines()[-1]

@@ -72,5 +72,5 @@ def test_zero2_with_kl_term_is_refused_at_construction(tmp_path, tiny_model_dir)
     the engine's forward outputs, so ISOPO's KL pass, `torch.autograd.grad(kl_loss, params)` inside the loss, runs
     its post-backward gradient reduction while nothing was accumulated (IndexError in
     `stage_1_and_2.reduce_ipg_grads`). The trainer now refuses it when it is built, saying what to change."""
-    with pytest.raises(AssertionError, match="set beta=0 or use DDP"):
+    with pytest.raises(AssertionError, match=r"remove it \(beta=0, .*\) or use DDP"):
         run(tmp_path, "zero2_beta", tiny_model_dir, "zero2", "--beta", "0.04", "--steps", "1")

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="model alias, local directory or Hub id (default smollm2)")
     p.add_argument("--output-dir", default="real_out", help="weights, model card, plot and JSON (default real_out)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--malloc", choices=("cached", "system"), default="cached",
+                   help="on CPU, `cached` (default) tells glibc malloc to keep freed memory for reuse instead of "
+                        "unmapping every large temporary and faulting it in again at the next step "
+                        "(trl_isopo.cpu_alloc); `system` keeps glibc's stock settings")
     p.add_argument("--quick", action="store_true", help="a 2-step smoke run on 8 held-out questions")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -132,6 +136,10 @@ def _median(xs):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.malloc == "cached":  # before the model is loaded: only later allocations follow the new settings
+        from trl_isopo.cpu_alloc import keep_freed_memory
+
+        keep_freed_memory()
     import torch
 
     torch.set_num_threads(args.threads)

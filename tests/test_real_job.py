@@ -102,13 +102,17 @@ def test_sampling_does_not_touch_the_global_rng(tiny):
 
 
 @pytest.mark.slow
-def test_real_quick_job_end_to_end(tmp_path):
-    """`trl-isopo real --quick`: base and trained held-out accuracy, weights, card, plot, raw numbers."""
+def test_real_quick_job_end_to_end(tmp_path, monkeypatch):
+    """`trl-isopo real --quick`: base and trained held-out accuracy, weights, card, plot, raw numbers; by default it
+    asks glibc to keep freed memory (recorded here rather than applied to the test process)."""
     pytest.importorskip("gguf")
+    from trl_isopo import cpu_alloc
     from trl_isopo.cli import main
 
+    calls = []
+    monkeypatch.setattr(cpu_alloc, "keep_freed_memory", lambda *a, **k: calls.append((a, k)) or True)
     rc = main(["real", "--quick", "--output-dir", str(tmp_path), "--no-progress", "--threads", "2"])
-    assert rc == 0
+    assert rc == 0 and len(calls) == 1
     record = json.loads((tmp_path / "run.json").read_text())
     assert [e["step"] for e in record["evals"]] == [0, 2]
     assert record["params_finite"]

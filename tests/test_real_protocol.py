@@ -182,7 +182,7 @@ def test_second_task_two_steps_on_the_real_model(tmp_path):
     from trl_isopo.cli import main
 
     rc = main(["real", "--task", "basic_arithmetic", "--task-config", '{"min_terms": 2, "max_terms": 2}', "--quick",
-               "--output-dir", str(tmp_path), "--no-progress", "--threads", "2"])
+               "--output-dir", str(tmp_path), "--no-progress", "--threads", "2", "--malloc", "system"])
     record = json.loads((tmp_path / "run.json").read_text())
     assert rc == 0 and record["settings"]["task"]["name"] == "basic_arithmetic" and len(record["step_log"]) == 2
 

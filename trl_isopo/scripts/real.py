@@ -136,10 +136,6 @@ def _median(xs):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.malloc == "cached":  # before the model is loaded: only later allocations follow the new settings
-        from trl_isopo.cpu_alloc import keep_freed_memory
-
-        keep_freed_memory()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -151,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         make_splits(run.task, n_train=max(run.rollouts() * run.prompts_per_rollout, 8), n_eval=run.eval_size)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.malloc == "cached":  # before the model is loaded: only later allocations follow the new settings
+        from trl_isopo.cpu_alloc import keep_freed_memory
+
+        keep_freed_memory()
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"trl-isopo real: {run.label()} {'LoRA r=' + str(run.lora_r) if run.lora else 'full weights'}, lr "
           f"{run.learning_rate:g}, {run.rollouts()} rollouts x {run.prompts_per_rollout} prompts x "

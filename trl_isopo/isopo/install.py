@@ -13,9 +13,12 @@ from .support import check_vanilla_lora
 logger = logging.get_logger(__name__)
 
 
-def install_isopo(backward, model: torch.nn.Module, args) -> dict:
-    """Install `backward` (an `ISOPOBackward`) on `model` as `args` (an `ISOPOConfig`) says; returns the coverage:
-    counts of covered layers / parameters and of the other trainable ones, their modes, the covered names."""
+def install_isopo(backward, model: torch.nn.Module, *, other_params: str, lm_head: bool = False,
+                  gradient_checkpointing: bool = False, method: str = "ISOPO") -> dict:
+    """Install `backward` (a `LayerBackward`: ISOPO's or PROMA's) on `model`; `other_params` and `lm_head` say what the
+    other trainable parameters and the LM head get (`isopo_other_params`, `isopo_lm_head`; PROMA's `proma_*`), and
+    `method` names the method in errors. Returns the coverage: counts of covered layers / parameters and of the other
+    trainable ones, their modes, the covered names."""
     check_vanilla_lora(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
@@ -23,24 +26,24 @@ def install_isopo(backward, model: torch.nn.Module, args) -> dict:
     covered_modules = [m for _, m in coverable_linears(model, exclude)]
     if not covered_modules:
         raise ValueError(
-            "ISOPO found no trainable nn.Linear in the model (other than the LM head). Unfreeze linear layers or "
-            "use a LoRA peft_config."
+            f"{method} found no trainable nn.Linear in the model (other than the LM head). Unfreeze linear layers "
+            "or use a LoRA peft_config."
         )
     others = other_trainable_modules(model, {id(m) for m in covered_modules}, head)
     head_trainable = head is not None and any(p.requires_grad for p in head.parameters())
-    isopo_head = args.isopo_lm_head
+    isopo_head = lm_head
     if isopo_head and not head_trainable:
         raise ValueError(
             "isopo_lm_head=True transforms the LM head's weight gradient, but this model's LM head has no trainable "
             "parameter (LoRA freezes it). Train the head (full fine-tuning) or set isopo_lm_head=False."
         )
-    mode = args.isopo_other_params
+    mode = other_params
     if mode == "frozen":
         for _, module in others:
             module.requires_grad_(False)
         if head_trainable and not isopo_head:
             head.requires_grad_(False)
-        if args.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()  # reentrant checkpointing with a frozen embedding
     head_mode = None
     if head_trainable and (isopo_head or mode == "advantage_weighted"):

@@ -28,6 +28,7 @@ logger = logging.get_logger(__name__)
 # GRPOTrainer internals this class relies on; checked at construction so a TRL upgrade fails loudly.
 _REQUIRED_HOOKS = (
     "_compute_loss",
+    "_generate_and_score_completions",
     "_get_per_token_logps_and_entropies",
     "_save_optimizer_and_scheduler",
     "_load_optimizer_and_scheduler",
@@ -153,7 +154,8 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
         return int(getattr(plugin, "zero_stage", 0) or 0)
 
     def _install_isopo(self) -> dict:
-        return install_isopo(self.isopo_backward, self.model, self.args)
+        return install_isopo(self.isopo_backward, self.model, other_params=self.args.isopo_other_params,
+                             lm_head=self.args.isopo_lm_head, gradient_checkpointing=self.args.gradient_checkpointing)
 
     def remove_isopo(self) -> None:
         """Uninstall ISOPO's backward: the model's own forwards and TRL's fused head kernel are restored (e.g. to use

@@ -7,9 +7,7 @@ Thin glue: the math is `projection.proma_layer_step`, the per-layer state `backw
 from __future__ import annotations
 
 import textwrap
-from types import SimpleNamespace
 
-import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
@@ -81,7 +79,7 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
             args = PROMAConfig(f"{model_name.split('/')[-1]}-PROMA")
         if not isinstance(args, PROMAConfig):
             raise TypeError(f"PROMATrainer needs a PROMAConfig, got {type(args).__name__}")
-        for hook in (*_REQUIRED_HOOKS, "_generate_and_score_completions"):
+        for hook in _REQUIRED_HOOKS:
             if not callable(getattr(GRPOTrainer, hook, None)):
                 raise RuntimeError(f"GRPOTrainer.{hook} is missing: this TRL version is not supported by trl-isopo")
         if args.proma_lm_head:
@@ -118,10 +116,8 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
         return None if problem is None else problem.replace("ISOPO", "PROMA")
 
     def _install_proma(self) -> dict:
-        # `install_isopo` reads ISOPO's option names: the same options under PROMA's names.
-        options = SimpleNamespace(isopo_lm_head=False, isopo_other_params=self.args.proma_other_params,
-                                  gradient_checkpointing=self.args.gradient_checkpointing)  # fmt: skip
-        coverage = install_isopo(self.proma_backward, self.model, options)
+        coverage = install_isopo(self.proma_backward, self.model, other_params=self.args.proma_other_params,
+                                 gradient_checkpointing=self.args.gradient_checkpointing, method="PROMA")
         return {k.replace("isopo_", "proma_"): v for k, v in coverage.items()}
 
     def remove_proma(self) -> None:

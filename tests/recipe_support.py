@@ -61,11 +61,13 @@ def tiny_overrides(recipe_path, model_dir, output_dir, max_steps=2, world_size=1
     return args
 
 
-def real_overrides(output_dir):
-    """Small sizes for 2 optimizer steps on the real model: 2 prompts x 4 completions of 8 tokens per step."""
+def real_overrides(output_dir, method=None):
+    """Small sizes for 2 optimizer steps on the real model: 2 prompts x 4 completions of 8 tokens per step (for
+    PROMA in 2 micro-batches of 4, so that accumulation has an earlier micro-batch to project)."""
+    micro, ga = (4, 2) if method == "proma" else (8, 1)
     return [
-        "--output_dir", output_dir, "--max_steps", "2", "--per_device_train_batch_size", "8",
-        "--num_generations", "4", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
+        "--output_dir", output_dir, "--max_steps", "2", "--per_device_train_batch_size", str(micro),
+        "--num_generations", "4", "--gradient_accumulation_steps", str(ga), "--steps_per_generation", str(ga),
         "--max_completion_length", "8", "--dataset_size", "8", "--save_strategy", "no", "--logging_steps", "1",
         "--report_to", "none", "--disable_tqdm", "true", *CPU,
     ]  # fmt: skip

@@ -36,9 +36,20 @@ def test_rollout_schedule_fields():
                                               steps_per_generation=2)
     assert rollout_schedule(32) == dict(per_device_train_batch_size=32, gradient_accumulation_steps=1,
                                         steps_per_generation=1)  # `trl-isopo real`: one micro-batch, one step
-    for bad in ((64, 3, 0), (64, 4, 32), (64, 4, 12), (64, 0, 0)):
+    # a method's own GA (accumulation PROMA's) splits the mini-batch when no micro-batch is given
+    assert rollout_schedule(32, 1, 0, 4) == dict(per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                                                 steps_per_generation=4)
+    assert rollout_schedule(64, 2, 16, 4)["gradient_accumulation_steps"] == 2  # a given micro-batch decides
+    for bad in ((64, 3, 0), (64, 4, 32), (64, 4, 12), (64, 0, 0), (32, 1, 0, 3)):
         with pytest.raises(ValueError):
             rollout_schedule(*bad)
+
+
+def test_proma_real_job_keeps_one_rollout_per_optimizer_step(tmp_path):
+    """PROMA's method entry asks for GA 4: the real job's 32-row rollout is split into 4 micro-batches of one step."""
+    config = _config(RealRun(method="proma"), str(tmp_path), progress=False)
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps, config.steps_per_generation) == (
+        8, 4, 4)
 
 
 def test_configs_carry_no_deprecated_or_ignored_settings(tmp_path):
@@ -58,6 +69,7 @@ def test_protocol_runs_share_the_budget():
         assert run.eval_every == 2 * k and not run.lora and run.eval_size >= 128
     assert len({r.key() for r in runs.values()}) == len(runs)
     assert [m for m in PROTOCOL_METHODS if not has_pi_old(m)] == ["isopo", "isopo-fig6"]
+    assert not has_pi_old("proma") and not has_pi_old("proma-intra")
     epochs = Protocol(epochs=2)
     assert (epochs.run("grpo", 1e-5, 0, 4).steps, epochs.run("isopo", 1e-5, 0, 4).steps) == (64, 32)
     assert RealRun().key() == "isopo|lora|lr=0.0003|seed=0|steps=16|eval_sampled=False|kl_prompts=0"
@@ -100,14 +112,16 @@ def _count_schedule(method: str, m: int, model_dir, tokenizer, tmp_path, rollout
     return counts, rows, trainer
 
 
-@pytest.mark.parametrize("method", PROTOCOL_METHODS)
+@pytest.mark.parametrize("method", PROTOCOL_METHODS + ("proma",))
 def test_m_optimizer_steps_per_rollout(method, tiny_model_dir, tiny_tokenizer, tmp_path):
     """M = 4 (GA 1) and M = 1 (GA 4, the same micro-batches): M optimizer steps between generations, each rollout
     P x K rows of P prompts; GRPO's clip and TPO's frozen target see a pi_old only when M > 1."""
-    counts, rows, trainer = _count_schedule(method, 4, tiny_model_dir, tiny_tokenizer, tmp_path)
+    micro = 2 if method == "proma" else 4  # accumulation PROMA needs GA >= 2 at every M
+    counts, rows, trainer = _count_schedule(method, 4, tiny_model_dir, tiny_tokenizer, tmp_path, micro=micro)
     assert counts == [4, 4] and rows == [(16, 4), (16, 4)] and trainer.state.global_step == 8
+    assert trainer.args.gradient_accumulation_steps == 4 // micro
     assert ("old_per_token_logps" in trainer._buffered_inputs[0]) == has_pi_old(method)
-    counts, rows, trainer = _count_schedule(method, 1, tiny_model_dir, tiny_tokenizer, tmp_path)
+    counts, rows, trainer = _count_schedule(method, 1, tiny_model_dir, tiny_tokenizer, tmp_path, micro=micro)
     assert counts == [1, 1] and rows == [(16, 4), (16, 4)]
     if method != "tpo":  # (TPO stores its loss forward's detached log-probs there as p_old)
         assert "old_per_token_logps" not in trainer._buffered_inputs[0]  # one step per rollout: TRL skips pi_old

@@ -30,7 +30,7 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 def test_smollm2_recipe_matrix_is_complete():
     assert SMOLLM2_RECIPES == sorted(
-        f"recipes/SmolLM2-135M-Instruct/chain_sum/{m}{s}.yaml" for m in ("grpo", "isopo", "tpo") for s in ("", "_lora")
+        f"recipes/SmolLM2-135M-Instruct/chain_sum/{m}{s}.yaml" for m in ("grpo", "isopo", "proma", "tpo") for s in ("", "_lora")
     )
 
 
@@ -58,6 +58,10 @@ def test_smollm2_recipe_parses(recipe):
         assert knobs == (0.0, -1.0, -2.0, 0.0)
     if method == "tpo":
         assert training_args.tpo_eta == 1.0 and training_args.tpo_anchor is True
+    if method == "proma":  # PROMA's schedule: 2 optimizer steps per rollout, each over 4 micro-batches
+        assert training_args.proma_mode == "accumulation" and training_args.gradient_accumulation_steps == 4
+        assert training_args.steps_per_generation == 2 * training_args.gradient_accumulation_steps
+        assert (training_args.proma_shrinkage, training_args.proma_ridge) == (1.0, 0.01)
 
 
 @pytest.mark.parametrize("recipe", SMOLLM2_RECIPES)
@@ -75,7 +79,8 @@ def test_smollm2_recipe_runs_two_steps_on_the_real_model(recipe, smollm2_dir, tm
     """Each SmolLM2 recipe as shipped (`model_name_or_path: smollm2`, resolved to the cached conversion) trains 2
     steps with smaller batches; the saved model/adapter and card are written (about 30-60 s each on 2 cores)."""
     out = tmp_path / "out"
-    trainer = train_script.run(["--config", os.path.join(ROOT, recipe), *real_overrides(str(out))])
+    method = os.path.basename(recipe)[: -len(".yaml")].removesuffix("_lora")
+    trainer = train_script.run(["--config", os.path.join(ROOT, recipe), *real_overrides(str(out), method)])
     check_two_steps(trainer, recipe, str(out))
     assert trainer.model.config.num_hidden_layers == 30 and trainer.processing_class.name_or_path == smollm2_dir
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -6,7 +6,7 @@ mini-batches; TPO, arXiv 2604.06159 §2 and §4.3: q frozen per rollout, several
 completions, the same prompts in the same order for every method and M at a seed (the sampler is seeded and the
 rollout size does not depend on M), M optimizer steps per rollout on mini-batches of P*K/M rows, micro-batches of
 `micro_batch` rows (the same forward/backward work at every M), full weights unless `lora`. `epochs` > 1 passes
-over each rollout that many times (TRL `num_iterations`), only for the methods with a pi_old; ISOPO has none and keeps
+over each rollout that many times (TRL `num_iterations`), only for the methods with a pi_old; ISOPO and PROMA have none and keep
 one pass, so that option breaks the equal-step budget on purpose.
 """
 
@@ -26,10 +26,11 @@ REFERENCE_METHOD = "grpo"  # the analysis' differences are to GRPO with its clip
 
 
 def has_pi_old(method: str) -> bool:
-    """Whether the method's loss reads the rollout-time policy (GRPO's ratio, TPO's target); ISOPO's does not."""
-    from trl_isopo.isopo.trainer import ISOPOTrainer
+    """Whether the method's loss reads the rollout-time policy (GRPO's ratio, TPO's target); the advantage-free
+    surrogate of ISOPO and PROMA does not."""
+    from trl_isopo.isopo.surrogate import SurrogateLossMixin
 
-    return not issubclass(get_method(method).trainer_cls, ISOPOTrainer)
+    return not issubclass(get_method(method).trainer_cls, SurrogateLossMixin)
 
 
 @dataclass

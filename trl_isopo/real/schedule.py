@@ -15,14 +15,18 @@ from __future__ import annotations
 import torch
 
 
-def rollout_schedule(rollout_rows: int, steps_per_rollout: int = 1, micro_batch: int = 0) -> dict:
+def rollout_schedule(rollout_rows: int, steps_per_rollout: int = 1, micro_batch: int = 0, accumulation: int = 1) -> dict:
     """TRL's batch fields for M = `steps_per_rollout` optimizer steps per rollout of `rollout_rows` rows:
     `per_device_train_batch_size` (the micro-batch), `gradient_accumulation_steps` (micro-batches per optimizer step)
-    and `steps_per_generation` (= M * GA). `micro_batch` 0: one micro-batch per optimizer step (GA = 1)."""
+    and `steps_per_generation` (= M * GA). `micro_batch` 0: `accumulation` micro-batches per optimizer step (a
+    method's own GA, e.g. accumulation PROMA's); a given `micro_batch` decides GA instead."""
     if steps_per_rollout < 1 or rollout_rows % steps_per_rollout:
         raise ValueError(f"{steps_per_rollout} optimizer steps per rollout do not divide its {rollout_rows} rows")
     mini = rollout_rows // steps_per_rollout
-    micro = micro_batch or mini
+    if not micro_batch and mini % accumulation:
+        raise ValueError(f"{accumulation} micro-batches do not divide the mini-batch of {mini} rows "
+                         f"({rollout_rows} rows / {steps_per_rollout} steps)")
+    micro = micro_batch or mini // accumulation
     if micro > mini or mini % micro:
         raise ValueError(f"a micro-batch of {micro} rows does not divide the mini-batch of {mini} rows "
                          f"({rollout_rows} rows / {steps_per_rollout} steps)")
@@ -37,12 +41,15 @@ def rollout_config(config_cls, output_dir: str, *, prompts: int, generations: in
     """A CPU-sized `config_cls` (GRPOConfig or a subclass): rollouts of `prompts` x `generations`,
     `steps_per_rollout` optimizer steps per rollout (`rollout_schedule`; the defaults give one micro-batch of the
     whole rollout and one step), `num_iterations=1` unless `fields` says otherwise, constant lr, float32, no
-    activation checkpointing, no saving or reporting. `fields` are the method's own settings (and any override)."""
+    activation checkpointing, no saving or reporting. `fields` are the method's own settings (and any override); a
+    `gradient_accumulation_steps` among them splits the mini-batch unless `micro_batch` is given."""
+    fields = dict(fields)
+    accumulation = fields.pop("gradient_accumulation_steps", 1)
     base = dict(
         output_dir=output_dir,
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
-        **rollout_schedule(prompts * generations, steps_per_rollout, micro_batch),
+        **rollout_schedule(prompts * generations, steps_per_rollout, micro_batch, accumulation),
         num_iterations=1,
         num_generations=generations,
         max_completion_length=max_completion_length,

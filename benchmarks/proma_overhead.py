@@ -8,6 +8,10 @@ no more than GRPO). Printed: the median of the per-round time ratios over GRPO, 
 shared machine contention only slows a run down) and the median milliseconds. On CPU glibc keeps freed memory for
 reuse (`--malloc cached`, the default; `--malloc system` for its stock settings).
 
+A last line per shape gives the floor of the intra variant: the time its range finders alone take inside the same
+steps (the (2q+1) sketch products over every covered layer's inputs and output gradients, and their QRs), as a
+fraction of GRPO's step. No implementation of the reference's algorithm with that k and q gets below it.
+
     python benchmarks/proma_overhead.py                                # shapes lora896, full896
     python benchmarks/proma_overhead.py --shapes full896 --seq 256 --repeats 9 --threads 2
 """
@@ -19,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -53,6 +58,31 @@ def proma_run(trainer, batch):
         sync()
 
     return run
+
+
+def range_finder_ms(trainer, batch, repeats: int) -> float:
+    """Median over `repeats` intra steps of the milliseconds spent in `intra.range_basis` (the sketch products)."""
+    from trl_isopo.proma import intra
+
+    original, spent = intra.range_basis, []
+
+    def timed(*a, **k):
+        sync()
+        t0 = time.perf_counter()
+        out = original(*a, **k)
+        sync()
+        spent[-1] += time.perf_counter() - t0
+        return out
+
+    intra.range_basis = timed
+    try:
+        step = proma_run(trainer, batch)
+        for _ in range(repeats):
+            spent.append(0.0)
+            step()
+    finally:
+        intra.range_basis = original
+    return 1e3 * statistics.median(spent)
 
 
 def main(argv=None):
@@ -95,6 +125,8 @@ def main(argv=None):
                                gradient_accumulation_steps=2, proma_other_params="surrogate", **knobs)
             trainer.current_gradient_accumulation_steps = 2
             runs[f"proma-{name}"] = proma_run(trainer, batch)
+            if name == "intra":
+                intra_trainer = trainer
         times = interleaved_times(runs, args.repeats)
         kind = "lora" if lora_r else "full"
         base = times["grpo"]
@@ -104,6 +136,10 @@ def main(argv=None):
         for name, t in times.items():
             ratio = statistics.median(a / b for a, b in zip(t, base))
             print(f"  {name:<20}{1e3 * statistics.median(t):>11.1f}{ratio:>14.3f}{min(t) / min(base):>11.3f}")
+        floor = range_finder_ms(intra_trainer, batch, args.repeats)
+        print(f"  intra floor: its range finders alone take {floor:.1f} ms per step = "
+              f"{floor / (1e3 * statistics.median(base)):.3f} of GRPO's median step (k = {args.intra_dim}, q = "
+              f"{intra_trainer.args.proma_intra_power_iters}; LoRA layers use k = min(k, r))")
 
 
 if __name__ == "__main__":

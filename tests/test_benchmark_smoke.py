@@ -57,6 +57,8 @@ def test_proma_overhead_benchmark_smoke():
             if line.strip().startswith(("grpo ", "proma-accumulation ", "proma-intra "))}
     assert set(rows) == {"grpo", "proma-accumulation", "proma-intra"}, out.stdout
     assert rows["grpo"][1:] == ["1.000", "1.000"] and all(float(v[0]) > 0 for v in rows.values())
+    floor = [line for line in out.stdout.splitlines() if "intra floor" in line]
+    assert len(floor) == 1 and float(floor[0].split(" ms per step")[0].split()[-1]) > 0, out.stdout
 
 def test_isopo_overhead_benchmark_profiles_one_layer_shape():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "isopo_overhead.py"), "--profile-layer", "24,8", "--seq", "32"]

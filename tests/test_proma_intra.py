@@ -223,3 +223,35 @@ def test_low_precision_intra_against_the_float64_oracle(dtype):
     assert basis.Q_a.dtype == torch.float32
     assert_matches(basis.Q_a @ basis.Q_a.T, Pa, 1e-5)
     assert_matches(basis.Q_g @ basis.Q_g.T, Pg, 1e-5)
+
+
+def test_intra_on_each_micro_batch_keeps_no_running_gradient():
+    """The default intra target never reads S: the backward keeps no full-size copy per layer, the increments are
+    unchanged, and every other setting still keeps S."""
+    assert not PROMASettings(mode="intra").needs_running
+    assert all(PROMASettings(mode=m, intra_target=t).needs_running
+               for m, t in [("accumulation", "microbatch"), ("both", "microbatch"), ("intra", "accumulated"),
+                            ("intra", "accumulated_after")])
+    settings = PROMASettings(mode="intra", intra_dim=3)
+    S = None
+    for j, (X, G, mask, A, _) in enumerate(chain_batches(M=3, seed=40)):
+        sk = sketches_for(X, G, 3, seed=j)
+        kept = proma_layer_step(X, G, mask, A, settings, running=S, sketches=sk, has_bias=True)
+        light = proma_layer_step(X, G, mask, A, settings, running=None, sketches=sk, has_bias=True,
+                                 keep_running=False)
+        assert light.running is None and light.running_bias is None
+        assert torch.equal(light.grad_weight, kept.grad_weight) and torch.equal(light.grad_bias, kept.grad_bias)
+        S = kept.running
+
+
+def test_core_from_the_materialized_gradient_equals_the_sequence_cores():
+    """Intra alone projects G_m through Q_g^T G_m Q_a, computed from the GEMM's result instead of the per-sequence
+    cores sum_i A_i C_i that accumulation needs: the same k x k core (float64)."""
+    from trl_isopo.proma.intra import core_of, sequence_cores
+
+    X, G, mask, A, V = micro_batch(d_in=7, d_out=5, seed=3, pad="g_zero")
+    basis = factored_basis(X, G, mask, 3, 1, sketches=sketches_for(X, G, 3, seed=1))
+    lean = factored_basis(X, G, mask, 3, 1, sketches=sketches_for(X, G, 3, seed=1), rows=False)
+    assert lean.xq is None and lean.dq is None and torch.equal(lean.Q_a, basis.Q_a)
+    G_m = torch.einsum("b,boi->oi", A, V)
+    assert_matches(core_of(lean, G_m), torch.einsum("b,bij->ij", A, sequence_cores(basis)), 1e-12)

@@ -84,7 +84,7 @@ class PROMABackward(LayerBackward):
         generator = self.generator(name, mb, X.device) if s.intra and mb.active else None
         out = proma_layer_step(
             X, G, mb.mask, A, s, running=state.weight, running_bias=state.bias, generator=generator,
-            active=mb.active, has_bias=has_bias, scratch=self.scratch,
+            active=mb.active, has_bias=has_bias, scratch=self.scratch, keep_running=s.needs_running,
         )  # fmt: skip
         state.update(out)
         self._keep(out.metrics, chained)

@@ -66,10 +66,14 @@ def masked_rows_times(
     """(B, L, k) rows t_t^T Q at valid positions, exact zeros at padding; T (B, L, d), Q (d, k), mask (B, L).
     Computed in Q's dtype (half T is upcast chunk by chunk)."""
     B, L, d = T.shape
-    out = torch.empty(B, L, Q.shape[1], dtype=Q.dtype, device=Q.device)
-    step = _chunk_rows(B, L, d, Q.shape[1], Q.dtype, budget_bytes)
+    k = Q.shape[1]
+    out = torch.empty(B, L, k, dtype=Q.dtype, device=Q.device)
+    Qt = Q.T.contiguous()
+    step = _chunk_rows(B, L, d, k, Q.dtype, budget_bytes)
     for l0 in range(0, L, step):
-        out[:, l0 : l0 + step] = T[:, l0 : l0 + step].to(Q.dtype) @ Q
+        Tc = T[:, l0 : l0 + step].to(Q.dtype).reshape(-1, d)
+        # (Q^T Tc^T)^T: measured up to 1.6x faster on CPU than Tc @ Q when k is not a multiple of 16 (k = 30)
+        out[:, l0 : l0 + step] = (Qt @ Tc.T).T.reshape(B, -1, k)
     return torch.where(mask.unsqueeze(-1), out, 0.0)
 
 
@@ -133,12 +137,13 @@ def range_basis(
 
 class IntraBasis(NamedTuple):
     """Q_a (d_in, k), Q_g (d_out, k) orthonormal (dropped columns zero); xq (B, L, k) = X Q_a and dq (B, L, k) =
-    D Q_g at valid positions (zero at padding); rank: scalar tensor, min of the two resolved column counts."""
+    D Q_g at valid positions (zero at padding), None unless asked for (`sequence_cores` needs them); rank: scalar
+    tensor, min of the two resolved column counts."""
 
     Q_a: torch.Tensor
     Q_g: torch.Tensor
-    xq: torch.Tensor
-    dq: torch.Tensor
+    xq: torch.Tensor | None
+    dq: torch.Tensor | None
     rank: torch.Tensor
 
 
@@ -152,10 +157,13 @@ def factored_basis(
     *,
     sketches: tuple[torch.Tensor, torch.Tensor] | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    rows: bool = True,
 ) -> IntraBasis:
     """The two range finders of one layer and micro-batch (module docstring). X (B, L, d_in), D (B, L, d_out),
     mask (B, L); k = `sketch_size(dim, B * L, d_in, d_out)`; the sketches come from `generator` (`draw_sketches`)
-    unless given as `sketches` ((B L, k) each, tests). Bases in `stat_dtype(X.dtype)` (float32 for half layers)."""
+    unless given as `sketches` ((B L, k) each, tests). Bases in `stat_dtype(X.dtype)` (float32 for half layers).
+    `rows=False` skips xq and dq (a pass over X and one over D): the projection of a materialized matrix
+    (`core_of`) does not need them, only the per-sequence cores do."""
     B, L, d_in = X.shape
     d_out = D.shape[-1]
     dt = stat_dtype(X.dtype)
@@ -166,8 +174,8 @@ def factored_basis(
         sketches = draw_sketches(B * L, k, generator, dt, X.device)
     Q_a, kept_a = range_basis(X, mask, sketches[0].to(dt), power_iters, budget_bytes)
     Q_g, kept_g = range_basis(D, mask, sketches[1].to(dt), power_iters, budget_bytes)
-    xq = masked_rows_times(X, Q_a, mask, budget_bytes)
-    dq = masked_rows_times(D, Q_g, mask, budget_bytes)
+    xq = masked_rows_times(X, Q_a, mask, budget_bytes) if rows else None
+    dq = masked_rows_times(D, Q_g, mask, budget_bytes) if rows else None
     rank = torch.minimum(kept_a.sum(), kept_g.sum())
     return IntraBasis(Q_a, Q_g, xq, dq, rank)
 

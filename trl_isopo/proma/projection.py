@@ -79,6 +79,12 @@ class PROMASettings:
     def intra(self) -> bool:
         return self.mode in ("intra", "both")
 
+    @property
+    def needs_running(self) -> bool:
+        """Whether a micro-batch's step reads S_{m-1}: accumulation, or an intra target on S. Intra on each
+        micro-batch's own gradient (the default target) does not, so no running copy is kept for it."""
+        return self.accumulation or self.intra_target != "microbatch"
+
     def accumulation_knobs(self) -> dict:
         return dict(shrinkage=self.shrinkage, ridge=self.ridge, solver=self.solver, sweeps=self.sweeps,
                     relative_bound=self.relative_bound)
@@ -102,12 +108,12 @@ class PROMAStep(NamedTuple):
 
     grad_weight: (d_out, d_in) dS_m, the weight gradient the backward returns (autograd accumulation then sums
     the increments into S_M). grad_bias: (d_out,) or None. running / running_bias: S_m (and the bias's), new tensors
-    (never aliasing grad_weight). metrics: (len(METRIC_NAMES),) float32 device vector.
+    (never aliasing grad_weight), None when not kept. metrics: (len(METRIC_NAMES),) float32 device vector.
     """
 
     grad_weight: torch.Tensor
     grad_bias: torch.Tensor | None
-    running: torch.Tensor
+    running: torch.Tensor | None
     running_bias: torch.Tensor | None
     metrics: torch.Tensor
 
@@ -155,6 +161,7 @@ def proma_layer_step(
     stats=None,
     sketches: tuple[torch.Tensor, torch.Tensor] | None = None,
     scratch=None,
+    keep_running: bool = True,
 ) -> PROMAStep:
     """PROMA weight-gradient increment of one covered linear layer for one micro-batch (module docstring).
 
@@ -173,6 +180,8 @@ def proma_layer_step(
         stats: ISOPO `SequenceStats` with `ntk` already computed for this layer (else computed here when needed).
         sketches: (Omega_a, Omega_g) to use instead of drawing from `generator` (tests).
         scratch: ISOPO `Scratch` for the statistics' large temporaries.
+        keep_running: return S_m (and the bias's); False returns None for both (`PROMASettings.needs_running`
+            says when the next step does not read them: a full-size copy per layer saved).
     """
     s = settings
     sdt = stat_dtype(X.dtype)
@@ -187,9 +196,13 @@ def proma_layer_step(
     s_sq = None if S is None else _sq(S)
     basis = cores = M_S = None
     if intra:
+        # Per-sequence cores only where accumulation needs them (its overlaps with S', or the bound's ||G~||);
+        # otherwise the core comes from the materialized target (Q_g^T T Q_a: d_out d_in k MACs instead of two
+        # passes n k (d_in + d_out) over the micro-batch, fewer whenever n > d_in d_out / (d_in + d_out)).
+        need_cores = acc and s.intra_target in ("accumulated", "microbatch")
         basis = factored_basis(X, G, mask, s.intra_dim, s.intra_power_iters, generator, sketches=sketches,
-                               budget_bytes=s.budget_bytes)
-        cores = sequence_cores(basis)
+                               budget_bytes=s.budget_bytes, rows=need_cores)
+        cores = sequence_cores(basis) if need_cores else None
         if S is not None and s.intra_target != "microbatch":
             M_S = core_of(basis, S)
     si = s.intra_shrinkage
@@ -215,15 +228,16 @@ def proma_layer_step(
     gw, _ = reweighted_weight_grad(X, G, c.to(sdt), stats if acc else None)
     if intra:
         target = s.intra_target
-        if target == "microbatch":
-            M = torch.einsum("b,bij->ij", A, cores)
-            t_sq = A.to(f64) @ K @ A.to(f64) if acc else _sq(gw)  # ||G_m||^2 (gw = G_m when c = A)
+        if target == "microbatch":  # Q_g^T G_m Q_a (gw = G_m when accumulation does not run: c = A)
+            M = torch.einsum("b,bij->ij", A, cores) if acc else core_of(basis, gw)
+            t_sq = A.to(f64) @ K @ A.to(f64) if acc else _sq(gw)  # ||G_m||^2
         elif target == "accumulated":
-            M = torch.zeros_like(cores[0]) if M_S is None else M_S
+            M = torch.zeros(basis.Q_g.shape[1], basis.Q_a.shape[1], dtype=sdt, device=X.device) if M_S is None \
+                else M_S
             t_sq = zero if S is None else s_sq
         else:
-            M = torch.einsum("b,bij->ij", c.to(sdt), cores) + (0.0 if M_S is None else M_S)
-            after = gw.clone() if S is None else S + gw  # S' (becomes S_m below)
+            after = gw.clone() if S is None else S + gw  # S' (becomes S_m below); gw = sum_i c_i V_i
+            M = core_of(basis, after)
             t_sq = _sq(after)
         low = basis.Q_g @ M
         gw.addmm_(low, basis.Q_a.T, alpha=-si)
@@ -244,7 +258,9 @@ def proma_layer_step(
         else:
             gb = A @ per_seq
         new_bias = gb.clone() if bias_running is None else bias_running + gb
-    if intra and s.intra_target == "accumulated_after":
+    if not keep_running:
+        new_running = new_bias = None
+    elif intra and s.intra_target == "accumulated_after":
         new_running = after.addmm_(low, basis.Q_a.T, alpha=-si)
     else:
         new_running = gw.clone() if S is None else S + gw

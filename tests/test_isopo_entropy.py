@@ -24,6 +24,8 @@ HEAD_TOL = 1e-6
 # rounding for a float64 model: measured worst relative error 2.7e-8 over these tests (2026-12-02, CPU).
 ENT_TOL = 1e-6
 COEF = 0.7
+# Qwen3-MoE's router takes its softmax in float32 even in a float64 model.
+ROUTER_TOL = 1e-6
 
 
 def full_logps_entropies(trainer, inputs):
@@ -192,7 +194,7 @@ def test_top_entropy_quantile_masks_the_seed(tiny_tokenizer, tmp_path, knobs):
 def test_router_aux_loss_is_added_unweighted(tiny_tokenizer, tmp_path):
     from moe_support import build_tiny_moe
 
-    # The experts are one module owning stacked weights: other parameters need isopo_other_params="surrogate".
+    # Other parameters on the surrogate here; the default (advantage_weighted) on a MoE model is tested below.
     trainer = make_trainer(build_tiny_moe(tiny_tokenizer), tiny_tokenizer, tmp_path, router_aux_loss_coef=COEF,
                            isopo_other_params="surrogate")
     assert trainer.aux_loss_enabled and trainer.isopo_coverage["covered"]
@@ -205,6 +207,57 @@ def test_router_aux_loss_is_added_unweighted(tiny_tokenizer, tmp_path):
     router = [n for n in want if "mlp.gate" in n]
     assert router and all(want[n].norm() > 0 for n in router)
     check_identity(got, base, want)
+
+
+def test_moe_experts_and_router_are_advantage_weighted(tiny_tokenizer, tmp_path):
+    """isopo_other_params="advantage_weighted" (the default) on a MoE model: the stacked experts and the router see the
+    (B, L) positions flattened and the router returns a tuple; with every ISOPO weight forced to 1 (coefficients
+    A_i), every parameter's gradient equals plain autograd of the advantage-weighted surrogate (float64), and the
+    router aux loss still adds its plain gradient."""
+    from moe_support import build_tiny_moe
+
+    trainer = make_trainer(build_tiny_moe(tiny_tokenizer), tiny_tokenizer, tmp_path, router_aux_loss_coef=COEF)
+    assert trainer.isopo_coverage["other_params_mode"] == "advantage_weighted"
+    inputs = make_batch(tiny_tokenizer, seed=5)
+    A, mask = inputs["advantages"].double(), inputs["completion_mask"]
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    aux = plain_grads(trainer, COEF * trainer.model(input_ids=ids, attention_mask=att, output_router_logits=True).aux_loss)
+    trainer.model.zero_grad(set_to_none=True)
+    (-(A[:, None] * surrogate_logps(trainer, inputs) * mask).sum() / mask.sum()).backward()
+    want = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.isopo_backward.weight_override = lambda name, adv: adv
+    try:
+        base, got = grads_without_and_with(trainer, inputs, "router_aux_loss_coef", COEF)
+    finally:
+        trainer.isopo_backward.weight_override = None
+    experts = [n for n in want if ".mlp.experts." in n or ".mlp.gate." in n]
+    assert len(experts) == 3 and all(want[n].norm() > 0 for n in experts)
+    # The router's softmax runs in float32 whatever the model's dtype, so its weight carries float32 rounding.
+    router = {n for n in want if ".mlp.gate." in n}
+    for keep, tol in ((lambda n: n not in router, TOL), (lambda n: n in router, ROUTER_TOL)):
+        sub = lambda d: {n: v for n, v in d.items() if keep(n)}  # noqa: E731
+        check_identity(sub(base), sub(want), tol=tol)  # no aux term: exactly the advantage-weighted gradient
+        check_identity(sub(got), sub(base), sub(aux), tol=tol)
+
+
+def test_leaf_rule_allows_parameter_free_children_only():
+    """A module owning parameters may have children (an activation) as long as none of them owns trainable ones."""
+    from torch import nn
+
+    from trl_isopo.isopo.other_params import check_leaf_module
+
+    class Experts(nn.Module):
+        def __init__(self, child):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2, 3))
+            self.child = child
+
+    check_leaf_module("experts", Experts(nn.SiLU()))
+    frozen = nn.Linear(3, 3).requires_grad_(False)
+    check_leaf_module("experts", Experts(frozen))
+    with pytest.raises(ValueError, match="sub-modules that do too"):
+        check_leaf_module("experts", Experts(nn.Linear(3, 3)))
 
 
 # ================================================================================================ training runs

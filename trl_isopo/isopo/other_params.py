@@ -8,7 +8,9 @@ A_i while the gradient passed on to lower layers stays advantage-free:
 - a leaf module with trainable parameters, y = f(x; theta), is run as
   y = f(x; theta) + RowScale(f(sg x; theta) - sg f(sg x; theta), A - 1)
   (value unchanged, d/dx unscaled, d/dtheta scaled by A per row); if no input needs a gradient (an embedding lookup)
-  a single call y = RowScale(f(x; theta), A) suffices;
+  a single call y = RowScale(f(x; theta), A) suffices. A row is a sequence, or one of its tokens where the module
+  sees the (B, L) positions flattened (MoE routers and experts: the token's sequence's A); each tensor of a tuple
+  output that carries a gradient is treated alike;
 - the LM head, whose weight TRL's fused log-prob kernel reads directly, is handled in `head/` (the kernel with a
   per-row scale on the weight gradient, `head/kernel.py`, swapped in by `head/interception.py`).
 
@@ -68,21 +70,37 @@ def _needs_grad(obj) -> bool:
     return False
 
 
-def _rows(y: torch.Tensor, batch: int, name: str) -> torch.Tensor:
-    if not isinstance(y, torch.Tensor):
-        raise RuntimeError(
-            f"isopo_other_params='advantage_weighted' needs module {name} to return one tensor with a batch "
-            f"dimension; it returned {type(y).__name__}. Use isopo_other_params='surrogate' or 'frozen'."
-        )
+def _row_scale(y: torch.Tensor, A: torch.Tensor, length: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, per-row scale): rows are sequences (first dim B), or the B * L tokens of a module that flattens its
+    (B, L) input in row-major order (MoE experts and routers), scaled by their sequence's A."""
+    batch = A.shape[0]
     if y.shape[0] == batch:
-        return y
+        return y, A
     if y.shape[0] == 1:  # shared over the batch (e.g. learned positions): expand so each row's grad is separable
-        return y.expand(batch, *y.shape[1:])
+        return y.expand(batch, *y.shape[1:]), A
+    if y.shape[0] == batch * length:
+        return y, A.repeat_interleave(length)
     raise RuntimeError(
         f"isopo_other_params='advantage_weighted': module {name} returned shape {tuple(y.shape)}, whose first "
-        f"dimension is not the micro-batch size {batch}, so its gradient cannot be split by sequence. Use "
-        "isopo_other_params='surrogate' or 'frozen'."
+        f"dimension is neither the micro-batch size {batch} nor its {batch * length} tokens, so its gradient cannot "
+        "be split by sequence. Use isopo_other_params='surrogate' or 'frozen'."
     )
+
+
+def _outputs(y, name: str) -> tuple:
+    """The module's output as a tuple of tensors (one tensor, or a tuple/list of them, e.g. a router's logits,
+    weights and indices)."""
+    items = tuple(y) if isinstance(y, (tuple, list)) else (y,)
+    if not items or not all(isinstance(t, torch.Tensor) for t in items):
+        raise RuntimeError(
+            f"isopo_other_params='advantage_weighted' needs module {name} to return tensors with a batch (or token) "
+            f"dimension; it returned {type(y).__name__}. Use isopo_other_params='surrogate' or 'frozen'."
+        )
+    return items
+
+
+def _repack(y, items: list):
+    return items[0] if isinstance(y, torch.Tensor) else type(y)(items)
 
 
 def advantage_weighted_forward(original, name: str, owner):
@@ -97,21 +115,37 @@ def _advantage_weighted_forward(original, name: str, owner, *args, **kwargs):
     mb = owner.current
     if mb is None or not torch.is_grad_enabled():
         return y
-    A = mb.advantages.to(device=y.device)
-    y = _rows(y, A.shape[0], name)
+    items = _outputs(y, name)
+    A = mb.advantages.to(device=items[0].device)
+    length = mb.mask.shape[1]
     if not _needs_grad((args, kwargs)):
-        return RowScale.apply(y, A, 1.0, owner)
-    y_theta = _rows(original(*_detach_tree(args), **_detach_tree(kwargs)), A.shape[0], name)
-    return y + RowScale.apply(y_theta - y_theta.detach(), A - 1, 0.0, owner)
+        out = []
+        for t in items:  # outputs without a gradient (e.g. routing indices) pass through
+            if t.requires_grad:
+                t, scale = _row_scale(t, A, length, name)
+                t = RowScale.apply(t, scale, 1.0, owner)
+            out.append(t)
+        return _repack(y, out)
+    thetas = _outputs(original(*_detach_tree(args), **_detach_tree(kwargs)), name)
+    out = []
+    for t, t_theta in zip(items, thetas):
+        if t_theta.requires_grad:
+            t, scale = _row_scale(t, A, length, name)
+            t_theta, _ = _row_scale(t_theta, A, length, name)
+            t = t + RowScale.apply(t_theta - t_theta.detach(), scale - 1, 0.0, owner)
+        out.append(t)
+    return _repack(y, out)
 
 
 def check_leaf_module(name: str, module: nn.Module) -> None:
-    """Advantage weighting supports leaf modules only (a parent's forward would scale its children's gradients)."""
-    if any(True for _ in module.children()) and any(p.requires_grad for p in module.parameters(recurse=False)):
+    """Advantage weighting supports modules whose sub-modules hold no trainable parameters (a parent's forward would
+    scale its children's gradients a second time); parameter-free children such as an activation are fine."""
+    own = any(p.requires_grad for p in module.parameters(recurse=False))
+    if own and any(p.requires_grad for child in module.children() for p in child.parameters()):
         raise ValueError(
             f"isopo_other_params='advantage_weighted' supports leaf modules only; {name} "
-            f"({type(module).__name__}) owns trainable parameters and has sub-modules. Freeze its parameters or "
-            "use isopo_other_params='surrogate'."
+            f"({type(module).__name__}) owns trainable parameters and has sub-modules that do too. Freeze its "
+            "parameters or use isopo_other_params='surrogate'."
         )
 
 

@@ -15,7 +15,7 @@ from proma_steps import F64, make_trainer, micro_batches, oracle_step_grads, per
 from proma_oracle import assert_matches  # noqa: E402
 
 from trl_isopo.isopo.kl import k3_per_token  # noqa: E402
-from trl_isopo.proma import PROMAConfig, PROMATrainer  # noqa: E402
+from trl_isopo.proma import PROMAConfig, PROMASettings, PROMATrainer  # noqa: E402
 
 # The advantage-weighted norm weights and the LM head (TRL's fused kernel folds d loss / d logits in float32) are
 # not PROMA's: they agree with the oracle at float32 rounding.
@@ -157,6 +157,24 @@ def test_clear_errors_at_construction(tiny_tokenizer, tmp_path):
     with pytest.raises(NotImplementedError, match="proma_lm_head=True"):
         PROMATrainer(model, tiny_reward, args=PROMAConfig(**kw, proma_lm_head=True),
                      train_dataset=tiny_prompt_dataset(8), processing_class=tiny_tokenizer)  # fmt: skip
+
+
+def test_sharding_rule():
+    """DeepSpeed and FSDP1 refused; FSDP2 accepted (tests/test_proma_fsdp2.py) unless an extra gradient pass runs."""
+    from types import SimpleNamespace
+
+    def setup(ds=False, fsdp=False, fsdp2=False, beta=0.0, aux=False, mode="accumulation"):
+        trainer = SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp, aux_loss_enabled=aux,
+                                  accelerator=SimpleNamespace(is_fsdp2=fsdp2),
+                                  args=SimpleNamespace(beta=beta, proma_settings=lambda: PROMASettings(mode=mode)))
+        return PROMATrainer._unsupported_setup(trainer)
+
+    assert setup() is None and setup(beta=0.04) is None  # one process / DDP
+    assert setup(fsdp=True, fsdp2=True) is None and setup(fsdp=True, fsdp2=True, mode="intra") is None
+    assert "DeepSpeed" in setup(ds=True) and "ZeRO" not in setup(ds=True)
+    assert "FSDP1" in setup(fsdp=True) and "ISOPO" not in setup(fsdp=True)
+    assert "beta > 0" in setup(fsdp=True, fsdp2=True, beta=0.04)
+    assert "router aux loss" in setup(fsdp=True, fsdp2=True, aux=True)
 
 
 def test_compute_loss_outside_the_window_is_refused(tiny_tokenizer, tmp_path):

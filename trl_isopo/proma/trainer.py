@@ -105,14 +105,22 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
         return self._surrogate_backward
 
     def _unsupported_setup(self) -> str | None:
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
+        if self.is_deepspeed_enabled or (self.is_fsdp_enabled and not fsdp2):
             return (
-                "PROMA is tested on one process and under DDP only: each process keeps a full-size running gradient "
-                "per covered layer, which has not been checked against FSDP's or DeepSpeed's sharded gradients. Use "
-                "DDP (recipes/accelerate/ddp.yaml) or one process."
+                "PROMA is tested on one process, under DDP and under FSDP2, not under DeepSpeed or FSDP1 (whose flat "
+                "parameters are gathered outside the module's forward, where PROMA's per-layer step runs). Use DDP "
+                "(recipes/accelerate/ddp.yaml), FSDP2 (recipes/accelerate/fsdp2.yaml) or one process."
             )
         extra = ("a router aux loss",) if self.aux_loss_enabled else ()
-        problem = unsupported_sharding(False, False, 0, self.args.beta, extra)
+        problem = unsupported_sharding(self.is_fsdp_enabled, fsdp2, 0, self.args.beta, extra)
+        if problem is None and fsdp2:
+            logger.warning(
+                "PROMA under FSDP2: the per-layer step is tested with torch's fully_shard on 2 CPU processes (the mean "
+                "of the per-process chains), not yet through accelerate on GPUs.%s",
+                " Accumulation keeps one full-size (unsharded) float32 running gradient per covered layer on every "
+                "process." if self.args.proma_settings().needs_running else "",
+            )
         return None if problem is None else problem.replace("ISOPO", "PROMA")
 
     def _install_proma(self) -> dict:

@@ -30,7 +30,8 @@ from .task import ArithmeticTask, make_reward, make_splits, score_text
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Per optimizer step from TRL's log history: GRPO's clip fractions, ISOPO's scale spread, TPO's max |p - q|, ...
 STEP_LOG_KEYS = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean",
-                 "clip_ratio/high_mean", "isopo/scale_spread", "tpo/max_abs_p_minus_q", "tpo/kl_q_p")
+                 "clip_ratio/high_mean", "isopo/scale_spread", "tpo/max_abs_p_minus_q", "tpo/kl_q_p",
+                 "proma/projected_fraction", "proma/reduction_pct", "proma/intra_fraction")
 # The values the learning benchmark's first runs (2026-12-01/02) had: their keys name none of these settings, so a
 # key names exactly the settings that differ from them.
 _KEY_BASE = dict(prompts_per_rollout=4, num_generations=8, max_completion_length=24, temperature=0.7, eval_size=64,

@@ -345,6 +345,21 @@ def test_evaluate(tiny_model_dir, tiny_tokenizer, tmp_path):
     assert math.isclose(metrics["eval_loss"], metrics["eval_policy_loss"], rel_tol=1e-5)
 
 
+def test_evaluate_with_one_completion_per_prompt(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """num_generations_eval=1 (TRL's fast evaluation): a group of one has p = q = 1, so the eval loss is exactly 0;
+    rewards are still scored. Training groups stay K >= 2."""
+    args = base_args(tmp_path, per_device_eval_batch_size=3, num_generations_eval=1)
+    trainer = TPOTrainer(
+        tiny_model_dir, tiny_reward, args=args, train_dataset=tiny_prompt_dataset(8),
+        eval_dataset=tiny_prompt_dataset(3, seed=1), processing_class=tiny_tokenizer,
+    )
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == 0.0 and metrics["eval_tpo/kl_q_p"] == 0.0
+    assert math.isfinite(metrics["eval_reward"]) and metrics["eval_tpo/frac_zero_variance_groups"] == 1.0
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        base_args(tmp_path, num_generations=1, per_device_train_batch_size=1)
+
+
 def test_quickstart_example_runs(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("tpo_quickstart", HERE.parent / "examples" / "tpo_quickstart.py")
     module = importlib.util.module_from_spec(spec)

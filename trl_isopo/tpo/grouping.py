@@ -56,9 +56,11 @@ def validate_group_batching(
     if msg:
         raise ValueError(msg)
     if per_device_eval_batch_size is not None:
+        # One completion per prompt is allowed for evaluation only: the group softmax of one member is 1, so q = p
+        # and the eval loss is identically 0 (plus the KL term); rewards and the other metrics are still measured.
         k_eval = num_generations_eval or num_generations
-        if k_eval < 2:
-            raise ValueError(f"TPO needs num_generations_eval >= 2 (or None); got {k_eval}.")
+        if k_eval < 1:
+            raise ValueError(f"TPO needs num_generations_eval >= 1 (or None); got {k_eval}.")
         msg = group_batch_size_error(
             "per_device_eval_batch_size", per_device_eval_batch_size, k_eval, "num_generations_eval"
         )

@@ -100,9 +100,9 @@ def cmd_analyze(args) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.figures)) or ".", exist_ok=True)
     frontier_png(kept, args.figures + "-frontier.png")
     cpu_png(kept, args.figures + "-cpu.png")
-    print(f"{len(kept)} runs; differences to GRPO (clip 0.2) paired by seed, 95 % percentile bootstrap over seeds "
+    print(f"{len(kept)} runs; differences to {args.reference} paired by seed, 95 % percentile bootstrap over seeds "
           f"({args.bootstrap} resamples)\n")
-    print(differences_table(points, n_boot=args.bootstrap))
+    print(differences_table(points, reference=args.reference, n_boot=args.bootstrap))
     print("\nverdicts (equal score: within {:g}; as close to pi_0: KL within {:g} x GRPO's):".format(
         args.score_margin, args.kl_margin))
     for line in verdicts(points, Margins(args.score_margin, args.kl_margin), n_boot=args.bootstrap):
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "method) the lr with the most seeds)")
     an.add_argument("--figures", default=FIGURES, help="PNG path prefix (-frontier.png, -cpu.png)")
     an.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
+    an.add_argument("--reference", default="grpo", help="the method the paired differences are taken to")
     an.add_argument("--score-margin", type=float, default=0.05, help="score differences within it count as equal")
     an.add_argument("--kl-margin", type=float, default=0.2,
                     help="a KL within this fraction of GRPO's mean counts as 'as close to pi_0'")

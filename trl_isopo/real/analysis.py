@@ -207,7 +207,8 @@ def _verdict_c(m, score: Difference | None, kl: Difference | None, margins: Marg
 
 def differences_table(points: dict, reference: str = "grpo", n_boot: int = 10_000) -> str:
     """Markdown: per M and method, the seed means and the paired differences to `reference` with 95 % intervals."""
-    rows = ["| M | method | lr | seeds | score | KL (nats) | train CPU-s | score − GRPO [95 % CI] | KL − GRPO [95 % CI] |",
+    ref = "GRPO" if reference == "grpo" else reference
+    rows = [f"| M | method | lr | seeds | score | KL (nats) | train CPU-s | score − {ref} [95 % CI] | KL − {ref} [95 % CI] |",
             "|---|---|---|---|---|---|---|---|---|"]
     for (m, method), by_seed in sorted(points.items()):
         vals = list(by_seed.values())

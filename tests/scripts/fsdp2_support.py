@@ -1,5 +1,5 @@
-"""Shared by the FSDP2 scripts (tests/scripts/isopo_fsdp2.py, proma_fsdp2.py): each step's batch and the
-advantage-free surrogate loss of the per-layer backward, on a tiny Qwen2."""
+"""Shared by the FSDP2 scripts (tests/scripts/isopo_fsdp2.py, proma_fsdp2.py): each step's batch, the
+advantage-free surrogate loss of the per-layer backward on a tiny Qwen2, the sharding and the parameter comparison."""
 
 from __future__ import annotations
 
@@ -30,3 +30,18 @@ def surrogate_loss(model, ids, mask, completion):
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     m = completion[:, 1:]
     return -(logp * m).sum() / m.sum().clamp_min(1)
+
+
+def shard(model) -> bool:
+    """`fully_shard` every decoder layer, then the root; whether every parameter became a DTensor shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return all(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def max_rel_diff(got: dict, ref: dict) -> float:
+    """Largest relative norm difference, over the parameters of `ref`, between two {name: tensor} dicts."""
+    return max(float((got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)

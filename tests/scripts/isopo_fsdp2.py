@@ -22,7 +22,7 @@ from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
 from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
 
-from fsdp2_support import B, STEPS, step_batch, surrogate_loss  # noqa: E402  (same folder)
+from fsdp2_support import B, STEPS, max_rel_diff, shard, step_batch, surrogate_loss  # noqa: E402  (same folder)
 
 
 def settings() -> ISOPOSettings:
@@ -65,8 +65,6 @@ def reference_run(tokenizer, swap_seeds: bool = False):
 
 
 def main(out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, world
@@ -74,10 +72,7 @@ def main(out: str) -> None:
     tokenizer = build_word_tokenizer()
     model, context, names = build(tokenizer)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    sharded = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    sharded = shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     records_per_micro_batch = []
     for step in range(STEPS):
@@ -106,12 +101,8 @@ def main(out: str) -> None:
     }
     if rank == 0:
         want, want_ema = reference_run(tokenizer)
-
-        def max_rel_diff(ref):
-            return max(float((full[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)
-
-        result["max_rel_diff"] = max_rel_diff(want)
-        result["control_rel_diff"] = max_rel_diff(reference_run(tokenizer, swap_seeds=True)[0])
+        result["max_rel_diff"] = max_rel_diff(full, want)
+        result["control_rel_diff"] = max_rel_diff(full, reference_run(tokenizer, swap_seeds=True)[0])
         result["ema_matches_reference"] = set(want_ema) == set(context.ema.ema) and all(
             abs(want_ema[k] - context.ema.ema[k]) <= 1e-6 * abs(want_ema[k]) for k in want_ema
         )

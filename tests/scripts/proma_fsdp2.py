@@ -23,7 +23,7 @@ from trl_isopo.proma.backward import PROMABackward, PROMAMicroBatch
 from trl_isopo.proma.projection import PROMASettings
 from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
 
-from fsdp2_support import B, STEPS, step_batch, surrogate_loss  # noqa: E402  (same folder)
+from fsdp2_support import B, STEPS, max_rel_diff, shard, step_batch, surrogate_loss  # noqa: E402  (same folder)
 
 MODES = {"intra": (PROMASettings(mode="intra", intra_dim=3), 1),
          "accumulation": (PROMASettings(mode="accumulation"), 2)}
@@ -66,8 +66,6 @@ def reference_run(tokenizer, settings, micro, key_shift=0):
 
 
 def main(out: str, mode: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     settings, micro = MODES[mode]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -76,10 +74,7 @@ def main(out: str, mode: str) -> None:
     tokenizer = build_word_tokenizer()
     model, context, names = build(tokenizer, settings)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    sharded = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    sharded = shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     projected = []
     for step in range(STEPS):
@@ -92,14 +87,11 @@ def main(out: str, mode: str) -> None:
     result = {"rank": rank, "world_size": world, "sharded": sharded, "covered": names, "projected_calls": projected,
               "changed": any(not torch.equal(full[n], start[n]) for n in full)}
     if rank == 0:
-        def max_rel_diff(ref):
-            return max(float((full[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n in ref)
-
-        result["max_rel_diff"] = max_rel_diff(reference_run(tokenizer, settings, micro))
+        result["max_rel_diff"] = max_rel_diff(full, reference_run(tokenizer, settings, micro))
         if mode == "intra":
-            result["control_rel_diff"] = max_rel_diff(reference_run(tokenizer, settings, micro, key_shift=1))
+            result["control_rel_diff"] = max_rel_diff(full, reference_run(tokenizer, settings, micro, key_shift=1))
         else:  # each half as 4 micro-batches of one sequence: another chain, another update
-            result["control_rel_diff"] = max_rel_diff(reference_run(tokenizer, settings, 2 * micro))
+            result["control_rel_diff"] = max_rel_diff(full, reference_run(tokenizer, settings, 2 * micro))
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

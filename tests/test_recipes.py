@@ -274,6 +274,8 @@ def test_clear_errors(tiny_model_dir, tmp_path):
                 os.path.join(ROOT, "recipes/Qwen3-1.7B/gsm8k/tpo.yaml"),
                 "--per_device_train_batch_size",
                 "24",
+                "--steps_per_generation",
+                "32",
                 *CPU,
             ]
         )

@@ -36,14 +36,16 @@ def test_config_rejects_fewer_than_two_generations(tmp_path):
         base_args(tmp_path, num_generations=1, per_device_train_batch_size=8)
 
 
-def test_config_rejects_group_splitting_batch_with_valid_values(tmp_path):
+def test_config_accepts_split_groups_only_inside_one_optimizer_step(tmp_path):
+    # Every use of a generation batch inside one optimizer step: accepted (tests/test_tpo_split_groups.py).
+    base_args(tmp_path, per_device_train_batch_size=6, num_generations=4, gradient_accumulation_steps=2)
+    base_args(tmp_path, per_device_train_batch_size=6, num_generations=4, gradient_accumulation_steps=2,
+              num_iterations=2)
     with pytest.raises(ValueError) as err:
-        base_args(tmp_path, per_device_train_batch_size=6, num_generations=4)
+        base_args(tmp_path, per_device_train_batch_size=6, num_generations=4, gradient_accumulation_steps=2,
+                  steps_per_generation=4)
     msg = str(err.value)
-    assert "per_device_train_batch_size" in msg and "{4, 8, 12, ...}" in msg and "[2, 3, 6]" in msg
-    # GRPO itself would accept this (generation batch 12 is a multiple of 3 ... and of 4 with GA=2)
-    with pytest.raises(ValueError, match="multiple of num_generations"):
-        base_args(tmp_path, per_device_train_batch_size=2, num_generations=4, gradient_accumulation_steps=2)
+    assert "per_device_train_batch_size" in msg and "(4, 8, 12, ...)" in msg and "[2, 3, 6]" in msg
 
 
 @pytest.mark.parametrize(
@@ -151,13 +153,10 @@ def test_trainer_rejects_bad_args(tiny_model_dir, tiny_tokenizer, tmp_path):
     )
     with pytest.raises(TypeError, match="TPOConfig"):
         TPOTrainer(tiny_model_dir, tiny_reward, args=grpo_args, **common)
-    args = base_args(tmp_path)
+    args = base_args(tmp_path, steps_per_generation=2)
     args.per_device_train_batch_size = 6  # changed after __post_init__
     with pytest.raises(ValueError, match="multiple of num_generations"):
         TPOTrainer(tiny_model_dir, tiny_reward, args=args, **common)
-    args = base_args(tmp_path, per_device_eval_batch_size=3, num_generations_eval=2)
-    with pytest.raises(ValueError, match="per_device_eval_batch_size"):
-        TPOTrainer(tiny_model_dir, tiny_reward, args=args, eval_dataset=tiny_prompt_dataset(4), **common)
     args = base_args(tmp_path)
     args.epsilon = 0.5
     with pytest.raises(ValueError, match="epsilon"):

@@ -1,8 +1,9 @@
 """One TPOTrainer run on deterministic completions; importable (1 process) or launched under 2 gloo processes.
 
-`python -m accelerate.commands.launch --multi_gpu --num_processes 2 ... tpo_two_proc.py MODEL_DIR OUT.pt PER_DEVICE GA`
-writes (rank 0) the parameter update, the log history and per-rank group checks to OUT.pt. The completions depend only
-on (prompt, index within the group), so any split of the same effective batch sees the same data.
+`python -m accelerate.commands.launch --multi_gpu --num_processes 2 ... tpo_two_proc.py MODEL_DIR OUT.pt PER_DEVICE GA
+[NUM_ITERATIONS [EVAL_BATCH]]` writes (rank 0) the parameter update, the log history (with the evaluation's last when
+EVAL_BATCH is given) and per-rank group checks to OUT.pt. The completions depend only on (prompt, index within the
+group over all processes), so any split of the same effective batch sees the same data.
 """
 
 import os
@@ -27,7 +28,8 @@ def make_rollout(tokenizer, group_size=K):
     def rollout(prompts, trainer):
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         completions = []
-        for i, p in enumerate(prompts):
+        offset = trainer.accelerator.process_index * len(prompts)  # a group may straddle processes
+        for i, p in enumerate(prompts, start=offset):
             h = zlib.crc32(f"{p}|{i % group_size}".encode())
             n = 2 + h % 5
             toks = [first_word + 2 + (h >> (2 * t)) % 4 for t in range(n)]  # words a..d
@@ -41,10 +43,14 @@ def make_rollout(tokenizer, group_size=K):
     return rollout
 
 
-def run(model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_loss=None, reward=None, **overrides):
+def run(
+    model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_loss=None, reward=None, eval_batch=None,
+    **overrides,
+):
     """Train `max_steps` SGD steps; return (parameter deltas, log history, group checks, trainer).
 
-    `on_loss(trainer, model, inputs, loss)` is called after every `_compute_loss` (for in-loop oracles).
+    `on_loss(trainer, model, inputs, loss)` is called after every `_compute_loss` (for in-loop oracles). With
+    `eval_batch`, the trainer evaluates once after training on 4 prompts with that per-device eval batch size.
     """
     from trl_isopo import TPOConfig, TPOTrainer
     from trl_isopo.tiny import load_tiny_tokenizer, tiny_prompt_dataset, tiny_reward, tiny_training_args
@@ -54,18 +60,20 @@ def run(model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_lo
 
     class CheckedTPOTrainer(TPOTrainer):
         def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)  # writes q into `inputs` when it builds it there
             ids = inputs["prompt_ids"]
-            blocks = ids.view(-1, K, ids.shape[1])
+            whole = ids.shape[0] % K == 0
+            if whole:
+                blocks = ids.view(-1, K, ids.shape[1])
+                whole = bool((blocks == blocks[:, :1]).all())
             checks.append(
                 {
                     "rank": self.accelerator.process_index,
                     "rows": ids.shape[0],
-                    "whole_groups": bool((blocks == blocks[:, :1]).all()),
+                    "whole_groups": whole,
                     "targets": inputs["tpo_targets"].clone(),
-                    "group_sums": inputs["tpo_targets"].view(-1, K).sum(-1),
                 }
             )
-            loss = super()._compute_loss(model, inputs)
             if on_loss is not None:
                 on_loss(self, model, inputs, loss)
             return loss
@@ -86,6 +94,8 @@ def run(model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_lo
         gradient_checkpointing=False,
         seed=0,
     )
+    if eval_batch is not None:
+        kwargs["per_device_eval_batch_size"] = eval_batch
     kwargs.update(overrides)
     args = TPOConfig(**kwargs)
     trainer = CheckedTPOTrainer(
@@ -93,19 +103,26 @@ def run(model_dir, out_dir, per_device, ga, num_iterations=2, max_steps=2, on_lo
         reward or tiny_reward,
         args=args,
         train_dataset=tiny_prompt_dataset(8),
+        eval_dataset=tiny_prompt_dataset(4) if eval_batch is not None else None,
         processing_class=tokenizer,
         rollout_func=make_rollout(tokenizer),
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
+    if eval_batch is not None:
+        trainer.state.log_history.append(trainer.evaluate())
     deltas = {n: (p.detach() - before[n]) for n, p in trainer.model.named_parameters()}
     return deltas, trainer.state.log_history, checks, trainer
 
 
 def main():
     model_dir, out_path, per_device, ga = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    num_iterations = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+    eval_batch = int(sys.argv[6]) if len(sys.argv) > 6 else None
     torch.set_num_threads(1)
-    deltas, logs, checks, trainer = run(model_dir, os.path.dirname(out_path) + "/run", per_device, ga)
+    deltas, logs, checks, trainer = run(
+        model_dir, os.path.dirname(out_path) + "/run", per_device, ga, num_iterations, eval_batch=eval_batch
+    )
     from accelerate.utils import gather_object
 
     all_checks = gather_object([{k: (v.tolist() if torch.is_tensor(v) else v) for k, v in c.items()} for c in checks])

@@ -6,7 +6,14 @@ without TRL; `TPOConfig` / `TPOTrainer` are loaded lazily.
 
 from ..lazy import lazy_getattr
 from .grouping import check_whole_groups, shuffle_groups, validate_group_batching
-from .target import sequence_logps, standardize_group_scores, tpo_group_stats, tpo_loss, tpo_target
+from .target import (
+    sequence_logps,
+    standardize_group_scores,
+    tpo_group_stats,
+    tpo_loss,
+    tpo_row_coefficients,
+    tpo_target,
+)
 
 _LAZY = {"TPOConfig": ".config", "TPOTrainer": ".trainer", "tpo_unsupported_options": ".config"}
 
@@ -19,6 +26,7 @@ __all__ = [
     "standardize_group_scores",
     "tpo_group_stats",
     "tpo_loss",
+    "tpo_row_coefficients",
     "tpo_target",
     "tpo_unsupported_options",
     "validate_group_batching",

@@ -142,15 +142,13 @@ class TPOConfig(GRPOConfig):
                 f"TPO needs num_generations >= 2 (the target is a softmax over each prompt's group of completions); "
                 f"got num_generations={self.num_generations}."
             )
-        # Before GRPOConfig's own (weaker) divisibility checks, so the message gives TPO's valid values.
-        validate_group_batching(self.per_device_train_batch_size, self.num_generations)
         super().__post_init__()
-        evaluating = self.do_eval and self.eval_strategy != "no"
         validate_group_batching(
             self.per_device_train_batch_size,
             self.num_generations,
-            self.per_device_eval_batch_size if evaluating else None,
             self.num_generations_eval,
+            self.gradient_accumulation_steps,
+            self.steps_per_generation,
         )
         problems = tpo_unsupported_options(self)
         if problems:

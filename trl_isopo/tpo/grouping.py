@@ -1,10 +1,11 @@
-"""Keeping TPO groups whole: batch-size checks, a whole-group shuffle, and a layout check.
+"""TPO groups and TRL's batching: batch-size checks, a whole-group shuffle, and a layout check.
 
-TPO's loss is a softmax over each prompt's K completions, so every micro-batch on every process must hold whole
-groups. TRL lays groups out as K consecutive rows (RepeatSampler and every generation backend), shards the generation
-batch across processes in contiguous blocks of `per_device_train_batch_size * steps_per_generation` rows, and cuts
-micro-batches as contiguous blocks of `per_device_train_batch_size` rows. Hence `per_device_train_batch_size % K == 0`
-plus a shuffle that permutes whole groups instead of rows is enough (docs/tpo.md, "How it plugs into GRPOTrainer").
+TPO's loss is a softmax over each prompt's K completions. TRL lays groups out as K consecutive rows (RepeatSampler and
+every generation backend), shards the generation batch across processes in contiguous blocks of
+`per_device_train_batch_size * steps_per_generation` rows, and cuts micro-batches as contiguous blocks of
+`per_device_train_batch_size` rows. With `per_device_train_batch_size % K == 0` and a shuffle that permutes whole
+groups instead of rows, every micro-batch on every process holds whole groups. Otherwise groups are split, which TPO
+supports only where it stays exact (see `group_batch_size_error`; docs/tpo.md, "How it plugs into GRPOTrainer").
 """
 
 from __future__ import annotations
@@ -13,59 +14,81 @@ from typing import Any
 
 import torch
 
-__all__ = ["group_batch_size_error", "validate_group_batching", "shuffle_groups", "check_whole_groups"]
+__all__ = [
+    "splits_groups",
+    "group_batch_size_error",
+    "validate_group_batching",
+    "shuffle_groups",
+    "check_whole_groups",
+    "gather_prompts",
+]
 
 
 def _divisors_at_least_2(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
 
-def group_batch_size_error(name: str, batch_size: int, num_generations: int, generations_name: str) -> str | None:
-    """The error message for a per-device batch size that would split groups, or None if it is valid."""
-    if batch_size % num_generations == 0:
+def splits_groups(batch_size: int, num_generations: int) -> bool:
+    """Whether micro-batches of `batch_size` rows cut some group of `num_generations` consecutive rows."""
+    return batch_size % num_generations != 0
+
+
+def group_batch_size_error(
+    batch_size: int,
+    num_generations: int,
+    gradient_accumulation_steps: int = 1,
+    steps_per_generation: int | None = None,
+) -> str | None:
+    """The error for a `per_device_train_batch_size` that splits groups where TPO cannot use it, else None.
+
+    Split groups work when every use of a generation batch lies inside one optimizer step
+    (`gradient_accumulation_steps % steps_per_generation == 0`): each member's loss coefficient p_theta_i - q_i is
+    then fixed before the step from the whole group (`tpo_row_coefficients`). With several optimizer steps per
+    generation batch, TRL's cut would put one group's members into different optimizer steps, and a group's loss is a
+    softmax over all of its members at one parameter value.
+    """
+    spg = steps_per_generation or gradient_accumulation_steps
+    if not splits_groups(batch_size, num_generations) or gradient_accumulation_steps % spg == 0:
         return None
     multiples = ", ".join(str(num_generations * i) for i in range(1, 4))
     divisors = _divisors_at_least_2(batch_size)
-    alt = (
-        f", or keep {name}={batch_size} and set {generations_name} to one of {divisors}"
-        if divisors
-        else ""
-    )
+    alt = f", or num_generations to one of {divisors}" if divisors else ""
     return (
-        f"TPO keeps every group of {generations_name}={num_generations} completions whole in each micro-batch and "
-        f"on each process (its loss is a softmax over the group), so {name} must be a multiple of "
-        f"{generations_name}; got {name}={batch_size}. Valid values: {name} in {{{multiples}, ...}}{alt}."
+        f"per_device_train_batch_size={batch_size} is not a multiple of num_generations={num_generations}, so "
+        "micro-batches split groups. TPO's loss is a softmax over all members of a group at one parameter value, so "
+        "split groups need every use of a generation batch inside one optimizer step (gradient_accumulation_steps a "
+        f"multiple of steps_per_generation); got steps_per_generation={spg}, "
+        f"gradient_accumulation_steps={gradient_accumulation_steps}. Set per_device_train_batch_size to a multiple "
+        f"of {num_generations} ({multiples}, ...){alt}, or steps_per_generation to a divisor of "
+        "gradient_accumulation_steps."
     )
 
 
 def validate_group_batching(
     per_device_train_batch_size: int,
     num_generations: int,
-    per_device_eval_batch_size: int | None = None,
     num_generations_eval: int | None = None,
+    gradient_accumulation_steps: int = 1,
+    steps_per_generation: int | None = None,
 ) -> None:
-    """Raise `ValueError` if a batch size would split a group across micro-batches or processes."""
+    """Raise `ValueError` for a group size TPO cannot use, or batching that splits groups where it cannot be exact.
+
+    Evaluation batches may split groups freely: nothing moves the parameters between generation and the eval loss.
+    """
     if num_generations < 2:
         raise ValueError(
             f"TPO needs num_generations >= 2 (the target is a softmax over a group of completions); got "
             f"{num_generations}."
         )
     msg = group_batch_size_error(
-        "per_device_train_batch_size", per_device_train_batch_size, num_generations, "num_generations"
+        per_device_train_batch_size, num_generations, gradient_accumulation_steps, steps_per_generation
     )
     if msg:
         raise ValueError(msg)
-    if per_device_eval_batch_size is not None:
-        # One completion per prompt is allowed for evaluation only: the group softmax of one member is 1, so q = p
-        # and the eval loss is identically 0 (plus the KL term); rewards and the other metrics are still measured.
-        k_eval = num_generations_eval or num_generations
-        if k_eval < 1:
-            raise ValueError(f"TPO needs num_generations_eval >= 1 (or None); got {k_eval}.")
-        msg = group_batch_size_error(
-            "per_device_eval_batch_size", per_device_eval_batch_size, k_eval, "num_generations_eval"
-        )
-        if msg:
-            raise ValueError(msg)
+    # One completion per prompt is allowed for evaluation only: the group softmax of one member is 1, so q = p and
+    # the eval loss is identically 0 (plus the KL term); rewards and the other metrics are still measured.
+    if num_generations_eval is not None and num_generations_eval < 1:
+        raise ValueError(f"TPO needs num_generations_eval >= 1 (or None); got {num_generations_eval}.")
 
 
 def _num_rows(batch: dict[str, Any]) -> int:
@@ -143,3 +166,14 @@ def check_whole_groups(
             "it with your batch-size settings."
         )
 
+
+
+def gather_prompts(
+    accelerator, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every process's left-padded `(N, P)` prompt ids and masks, in rank order, left-aligned to one width, with
+    id 0 at padding (padding ids may differ between processes); for `check_whole_groups` when groups straddle
+    processes. A collective: call it on every rank."""
+    ids = accelerator.pad_across_processes(prompt_ids * prompt_mask, dim=1, pad_index=0, pad_first=True)
+    mask = accelerator.pad_across_processes(prompt_mask, dim=1, pad_index=0, pad_first=True)
+    return accelerator.gather(ids), accelerator.gather(mask)

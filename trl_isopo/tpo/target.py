@@ -27,6 +27,7 @@ __all__ = [
     "standardize_group_scores",
     "tpo_target",
     "tpo_loss",
+    "tpo_row_coefficients",
     "tpo_group_stats",
 ]
 
@@ -184,6 +185,41 @@ def tpo_loss(
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
+def _detached_group_log_softmax(logps, targets, valid):
+    """(log softmax over the valid members, q, valid, a zero), detached, in the compute dtype of both inputs."""
+    dtype = _compute_dtype(logps, targets)
+    lp = logps.detach().to(dtype)
+    q = targets.detach().to(device=lp.device, dtype=dtype)
+    v = _valid_mask(lp, valid)
+    log_p = torch.log_softmax(lp.masked_fill(~v, _masked_fill_value(dtype)), dim=-1)
+    return log_p, q, v, torch.zeros((), dtype=dtype, device=lp.device)
+
+
+@torch.no_grad()
+def tpo_row_coefficients(
+    old_logps: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-member form of `tpo_loss` at the rollout-time parameters, for groups split over micro-batches.
+
+    At l_theta = l_old the group loss has gradient dL_g/dl_i = p_old_i - q_i, so sum_i c_i l_theta_i with the constant
+    c_i = p_old_i - q_i has the same gradient, and the values r_i = -q_i log p_old_i add up to L_g. Both are sums over
+    members, so any partition of a group's members (micro-batches, processes) gives the group's gradient and loss.
+
+    Args:
+        old_logps: `(..., K)` sequence log-probs at the parameters the loss will be differentiated at.
+        targets: `(..., K)` target q.
+        valid: optional `(..., K)` bool mask.
+
+    Returns:
+        `(c, r)`, both `(..., K)` in at least float32; 0 for invalid members (and for every member of a group without
+        a valid one).
+    """
+    log_p, q, v, zero = _detached_group_log_softmax(old_logps, targets, valid)
+    coef = torch.where(v, log_p.exp() - q, zero)
+    row_ce = -torch.where(v, q * log_p, zero)
+    return coef, row_ce
+
+
 @torch.no_grad()
 def tpo_group_stats(
     logps: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None
@@ -201,12 +237,7 @@ def tpo_group_stats(
         `kl_q_p_sum` (sum over groups of KL(q || p_theta)), `cross_entropy_sum` (sum of L_g),
         `max_abs_p_minus_q` (max over valid members of |p_theta - q|; 0 if none).
     """
-    dtype = _compute_dtype(logps, targets)
-    lp = logps.detach().to(dtype)
-    q = targets.detach().to(device=lp.device, dtype=dtype)
-    v = _valid_mask(lp, valid)
-    zero = torch.zeros((), dtype=dtype, device=lp.device)
-    log_p = torch.log_softmax(lp.masked_fill(~v, _masked_fill_value(dtype)), dim=-1)
+    log_p, q, v, zero = _detached_group_log_softmax(logps, targets, valid)
     p = torch.where(v, log_p.exp(), zero)
     pos = v & (q > 0)
     log_q = torch.log(torch.where(pos, q, torch.ones_like(q)))
@@ -216,7 +247,7 @@ def tpo_group_stats(
     ce = -torch.where(v, q * log_p, zero).sum(-1)
     diff = torch.where(v, (p - q).abs(), zero)
     return {
-        "num_groups": has_valid.sum().to(dtype),
+        "num_groups": has_valid.sum().to(zero.dtype),
         "target_entropy_sum": torch.where(has_valid, entropy, zero).sum(),
         "kl_q_p_sum": torch.where(has_valid, kl, zero).sum(),
         "cross_entropy_sum": ce.sum(),

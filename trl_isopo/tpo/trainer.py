@@ -11,6 +11,13 @@ What changes w.r.t. GRPOTrainer (everything else, generation, rewards, vLLM, PEF
 - `_prepare_inputs`: TRL's ~15 lines with a whole-group shuffle instead of the row shuffle.
 - `_compute_loss`: mean over groups of -sum_i q_i log softmax_K(l_theta)_i, divided by the gradient accumulation steps.
 
+Split groups (`per_device_train_batch_size % K != 0`, allowed when every use of a generation batch lies inside one
+optimizer step): p_old comes from a generation-time forward, q and each member's loss coefficient p_old_i - q_i from
+the whole group gathered over processes (`tpo_row_coefficients`), and the loss is sum_i (p_old_i - q_i) l_theta_i,
+whose gradient is the group loss's since p_theta == p_old at every loss forward of that use. A reuse
+(`num_iterations > 1`) after the parameters moved recomputes the coefficients p_theta_i - q_i from one no-grad
+forward of the generation batch (`_tpo_refresh_coefficients`).
+
 p_old without an extra forward. When TRL skips `old_per_token_logps` (every use of a generation batch falls inside one
 optimizer step: `gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0`, no vLLM importance
 sampling) and `num_iterations == 1` (or in evaluation), the parameters at every loss forward of that batch are the
@@ -31,6 +38,7 @@ from trl.extras.profiling import profiling_decorator
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import (
     get_config_model_id,
+    shuffle_sequence_dict,
     split_pixel_values_by_grid,
     split_tensor_dict,
     unsplit_pixel_values_by_grid,
@@ -38,14 +46,16 @@ from trl.trainer.utils import (
 
 from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
 from .config import TPOConfig, tpo_unsupported_options
-from .grouping import check_whole_groups, shuffle_groups, validate_group_batching
+from .grouping import check_whole_groups, gather_prompts, shuffle_groups, validate_group_batching
+from .metrics import TPOMetrics, target_sums
 from .scores import batch_population_std, combine_rewards, scores_to_u
-from .target import ZERO_STD_THRESHOLD, sequence_logps, tpo_group_stats, tpo_loss, tpo_target
+from .split import SplitGroupsMixin, member_loss
+from .target import sequence_logps, tpo_group_stats, tpo_loss, tpo_target
 from .trl_hooks import FORWARD_KEYS, REQUIRED_STATE, check_trl_hooks
 
 __all__ = ["TPOTrainer"]
 
-class TPOTrainer(GRPOTrainer):
+class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
     """
     Trainer for Target Policy Optimization (TPO, Kaddour 2026,
     [arXiv 2604.06159](https://huggingface.co/papers/2604.06159)).
@@ -62,9 +72,10 @@ class TPOTrainer(GRPOTrainer):
     `beta` KL to the reference model. Unscorable (reward None/NaN) and empty completions are excluded from both
     softmaxes (q = 0).
 
-    Groups are kept whole in every micro-batch and on every process: `per_device_train_batch_size` must be a
-    multiple of `num_generations`, and micro-batches are formed by shuffling whole groups, so the update is the exact
-    mean over the groups of the optimizer step regardless of gradient accumulation and world size.
+    With `per_device_train_batch_size` a multiple of `num_generations`, micro-batches are formed by shuffling whole
+    groups; otherwise (allowed when every use of a generation batch lies inside one optimizer step) each member
+    carries its loss coefficient, fixed from its whole group. Either way the update is the exact mean over the groups of the optimizer step regardless of gradient
+    accumulation and world size.
 
     With one optimizer step per rollout and `num_iterations=1` (TRL then skips its old log-probs), p_old is taken from
     the loss forward's own detached log-probs, which equal the rollout-time ones exactly, so TPO runs no forward
@@ -134,16 +145,16 @@ class TPOTrainer(GRPOTrainer):
         validate_group_batching(
             args.per_device_train_batch_size,
             args.num_generations,
-            args.per_device_eval_batch_size if eval_dataset is not None else None,
             args.num_generations_eval,
+            args.gradient_accumulation_steps,
+            args.steps_per_generation,
         )
         problems = tpo_unsupported_options(args)
         if problems:
             raise ValueError("TPOTrainer: " + " ".join(problems))
         self._tpo_rewards_per_func = None
-        self._tpo_max_abs_p_minus_q = 0.0
-        # Generation-side metric sums deferred to the loss forwards (reuse path), per mode: [sums or None, left].
-        self._tpo_deferred = {"train": [None, 0], "eval": [None, 0]}
+        self._tpo_metrics = TPOMetrics()
+        self._tpo_coef_step = None  # global_step at which split groups' coefficients were last computed
         super().__init__(
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
@@ -194,29 +205,34 @@ class TPOTrainer(GRPOTrainer):
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         device = output["completion_ids"].device
         num_rows = output["completion_ids"].shape[0]
+        split = self._tpo_splits_groups(mode)
+        # With split groups a group may straddle processes: check the generation batch of all of them.
+        prompts = (output["prompt_ids"], output["prompt_mask"])
+        prompts = gather_prompts(self.accelerator, *prompts) if split else prompts
         if getattr(self, "environment_factories", None) is None:  # env reset() may legitimately change prompts
-            check_whole_groups(output["prompt_ids"], output["prompt_mask"], group_size, where=f"{mode} batch")
-        elif num_rows % group_size:
-            raise RuntimeError(f"TPO: {num_rows} rows are not whole groups of {group_size}.")
+            check_whole_groups(*prompts, group_size, where=f"{mode} batch")
+        elif prompts[0].shape[0] % group_size:
+            raise RuntimeError(f"TPO: {prompts[0].shape[0]} rows are not whole groups of {group_size}.")
 
         # Combined score s (trl_isopo.tpo.scores: sum_f w_f r_f, or of per-function standardized rewards; NaN for a
-        # row where every function returned None). Local slice: every process holds whole groups.
-        rank = self.accelerator.process_index
-        local_rewards = rewards_per_func[rank * num_rows : (rank + 1) * num_rows].to(device)
-        non_empty = self._loss_mask(output).sum(-1) > 0
+        # row where every function returned None), over the generation batch of every process; this process's rows
+        # are the block at its rank.
+        local = slice(self.accelerator.process_index * num_rows, (self.accelerator.process_index + 1) * num_rows)
+        non_empty = self.accelerator.gather(self._loss_mask(output).sum(-1).long()) > 0
         scores = combine_rewards(
-            local_rewards, self.reward_weights, group_size, self.args.multi_objective_aggregation, non_empty
+            rewards_per_func.to(device), self.reward_weights, group_size, self.args.multi_objective_aggregation,
+            non_empty,
         )
-        output["tpo_scores"] = scores
+        output["tpo_scores"] = scores[local]
+        score_scale = None
         if self.args.scale_rewards == "batch":  # one std over the generation batch of every process, kept per row
-            gathered = self.accelerator.gather(scores.masked_fill(~non_empty, float("nan")))
-            output["tpo_score_scale"] = batch_population_std(gathered).expand(num_rows).clone()
+            score_scale = batch_population_std(scores.masked_fill(~non_empty, float("nan"))).expand(scores.shape[0])
+            output["tpo_score_scale"] = score_scale[local].clone()
 
-        # Leftover deferred sums (a generation batch not fully consumed, e.g. at the end of an epoch) are logged now.
-        self._tpo_flush_target_metrics(mode)
-        if self._tpo_reuses_loss_logps(output, mode):
+        self._tpo_metrics.flush(self.accelerator, self._metrics[mode], mode)
+        if not split and self._tpo_reuses_loss_logps(output, mode):
             # p_old == p_theta at every loss forward of this batch: q is built there (see the module docstring).
-            self._tpo_deferred[mode] = [None, self.args.steps_per_generation if mode == "train" else 1]
+            self._tpo_metrics.defer(mode, self.args.steps_per_generation if mode == "train" else 1)
             return output
 
         # p_old: the training model's log-probs at rollout time (TRL computes them itself only when misaligned / vLLM).
@@ -228,13 +244,27 @@ class TPOTrainer(GRPOTrainer):
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 old_per_token_logps, _, _ = self._tpo_forward(self.model, output, batch_size=batch_size)
             output["old_per_token_logps"] = old_per_token_logps
-
-        q, valid, sums = self._tpo_build_targets(
-            old_per_token_logps, self._loss_mask(output), scores, group_size, output.get("tpo_score_scale")
-        )
+        mask = self._loss_mask(output)
+        old_logps = sequence_logps(old_per_token_logps.detach(), mask, self.args.tpo_length_normalize)
+        metrics = self._metrics[mode]
+        if not split:
+            _, q, valid, sums = self._tpo_build_targets(
+                old_logps, non_empty[local], scores[local], group_size, output.get("tpo_score_scale")
+            )
+            self._tpo_metrics.log_target(self.accelerator, metrics, sums)
+            q, valid = q.reshape(-1), valid.reshape(-1)
+        else:
+            # Every group member's loss coefficient is fixed here, from the whole group gathered over processes; the
+            # parameters do not move before the loss uses them (group_batch_size_error), so p_old == p_theta there.
+            old_g, q, valid, sums = self._tpo_build_targets(
+                self.accelerator.gather(old_logps), non_empty, scores, group_size, score_scale
+            )
+            self._tpo_metrics.log_target(self.accelerator, metrics, sums, reduce=False)
+            output["tpo_row"] = torch.arange(q.numel(), device=device)[local]  # the row in the gathered batch
+            self._tpo_set_coefficients([output], old_g, q, valid, mode)
+            q, valid = q.reshape(-1)[local], valid.reshape(-1)[local]
         output["tpo_targets"] = q
         output["tpo_valid_mask"] = valid
-        self._tpo_log_target_metrics(mode, sums)
         return output
 
     # ------------------------------------------------------------------ target q and its metrics
@@ -250,46 +280,18 @@ class TPOTrainer(GRPOTrainer):
         # from a separate forward.)
         return self.num_iterations == 1 and self.args.gradient_accumulation_steps % self.args.steps_per_generation == 0
 
-    def _tpo_build_targets(self, old_per_token_logps, mask, scores, group_size, score_scale=None):
-        """(q (B,), valid (B,), sums (6,)) from p_old's per-token log-probs and the raw scores of whole groups
-        (`score_scale` (B,): the batch std for `scale_rewards="batch"`).
-
-        `sums` holds the generation-side metric sums (target entropy, groups with a valid member, zero-variance
-        groups, groups, invalid rows, rows); sums over disjoint sets of whole groups add up.
-        """
-        old_logps = sequence_logps(old_per_token_logps.detach(), mask, self.args.tpo_length_normalize)
+    def _tpo_build_targets(self, old_logps, non_empty, scores, group_size, score_scale=None):
+        """(p_old, q, valid), each `(G, K)`, and the metric sums (`target_sums`), from p_old's sequence log-probs
+        (B,), which rows have completion tokens (B,) and the raw scores (B,) of whole groups (`score_scale` (B,): the
+        batch std for `scale_rewards="batch"`)."""
         scores = scores.to(old_logps.device)
-        valid = (mask.sum(-1) > 0) & torch.isfinite(scores) & torch.isfinite(old_logps)
-        valid_g = valid.view(-1, group_size)
+        valid = non_empty.to(old_logps.device) & torch.isfinite(scores) & torch.isfinite(old_logps)
+        valid = valid.view(-1, group_size)
         scale = None if score_scale is None else score_scale.to(scores.device).view(-1, group_size)
-        u, std = scores_to_u(scores.view(-1, group_size), valid_g, self.args.scale_rewards, scale)
+        u, std = scores_to_u(scores.view(-1, group_size), valid, self.args.scale_rewards, scale)
         old_g = old_logps.view(-1, group_size)
-        q = tpo_target(old_g, u, valid_g, eta=self.args.tpo_eta, anchor=self.args.tpo_anchor)
-        stats = tpo_group_stats(old_g, q, valid_g)
-        dtype = stats["target_entropy_sum"].dtype  # float32, or float64 for a float64 model
-        sums = torch.stack(
-            [
-                stats["target_entropy_sum"],
-                stats["num_groups"],
-                (std <= ZERO_STD_THRESHOLD).sum().to(dtype),
-                torch.tensor(float(valid_g.shape[0]), dtype=dtype, device=valid.device),
-                (~valid).sum().to(dtype),
-                torch.tensor(float(valid.shape[0]), dtype=dtype, device=valid.device),
-            ]
-        )
-        return q.reshape(-1), valid, sums
-
-    def _tpo_log_target_metrics(self, mode, sums):
-        totals = self.accelerator.reduce(sums, reduction="sum")  # unconditional: a collective on every rank
-        self._metrics[mode]["tpo/target_entropy"].append((totals[0] / totals[1].clamp(min=1)).item())
-        self._metrics[mode]["tpo/frac_zero_variance_groups"].append((totals[2] / totals[3].clamp(min=1)).item())
-        self._metrics[mode]["tpo/frac_invalid_completions"].append((totals[4] / totals[5].clamp(min=1)).item())
-
-    def _tpo_flush_target_metrics(self, mode):
-        sums, _ = self._tpo_deferred[mode]
-        self._tpo_deferred[mode] = [None, 0]
-        if sums is not None:
-            self._tpo_log_target_metrics(mode, sums)
+        q = tpo_target(old_g, u, valid, eta=self.args.tpo_eta, anchor=self.args.tpo_anchor)
+        return old_g, q, valid, target_sums(old_g, q, valid, std)
 
     # ------------------------------------------------------------------ whole-group micro-batches
     @profiling_decorator
@@ -303,9 +305,17 @@ class TPOTrainer(GRPOTrainer):
             if self._step % generate_every == 0 or self._buffered_inputs is None:
                 generation_batch = self._generate_and_score_completions(generation_batch)
                 generation_batch = split_pixel_values_by_grid(generation_batch)
-                generation_batch = shuffle_groups(generation_batch, self.num_generations)
+                if self._tpo_splits_groups(mode):  # rows carry their own loss coefficients: TRL's row shuffle
+                    generation_batch = shuffle_sequence_dict(generation_batch)
+                else:
+                    generation_batch = shuffle_groups(generation_batch, self.num_generations)
                 generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
                 self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in generation_batches]
+                self._tpo_coef_step = self.state.global_step
+            elif self._tpo_splits_groups(mode) and self._tpo_coef_step != self.state.global_step:
+                # A reuse (num_iterations > 1) after the parameters moved: coefficients at the current parameters.
+                self._tpo_refresh_coefficients(self._buffered_inputs)
+                self._tpo_coef_step = self.state.global_step
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         else:
             inputs = self._generate_and_score_completions(generation_batch)
@@ -329,17 +339,14 @@ class TPOTrainer(GRPOTrainer):
             # Reuse path: the parameters are the rollout-time ones, so p_old is this forward's own (detached) output.
             # Written back into the micro-batch so that callbacks see the same keys as on the recompute path.
             old_per_token_logps = per_token_logps.detach()
-            q, valid_rows, sums = self._tpo_build_targets(
-                old_per_token_logps, mask, inputs["tpo_scores"], group_size, inputs.get("tpo_score_scale")
+            old_logps = sequence_logps(old_per_token_logps, mask, self.args.tpo_length_normalize)
+            _, q, valid_rows, sums = self._tpo_build_targets(
+                old_logps, mask.sum(-1) > 0, inputs["tpo_scores"], group_size, inputs.get("tpo_score_scale")
             )
             inputs["old_per_token_logps"] = old_per_token_logps
-            inputs["tpo_targets"] = q
-            inputs["tpo_valid_mask"] = valid_rows
-            deferred = self._tpo_deferred[mode]
-            deferred[0] = sums if deferred[0] is None else deferred[0] + sums
-            deferred[1] -= 1
-            if deferred[1] <= 0:  # the last micro-batch of its generation batch: log once per generation batch
-                self._tpo_flush_target_metrics(mode)
+            inputs["tpo_targets"] = q.reshape(-1)
+            inputs["tpo_valid_mask"] = valid_rows.reshape(-1)
+            self._tpo_metrics.add_deferred(self.accelerator, self._metrics[mode], mode, sums)
         # top_entropy_quantile < 1: the policy gradient flows only through the high-entropy tokens of each l_i (the
         # others are detached, so l_i, p_theta and the loss keep their values), as GRPO masks its per-token loss.
         entropy_mask = None
@@ -347,14 +354,19 @@ class TPOTrainer(GRPOTrainer):
         if self.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
             policy_token_logps = torch.where(entropy_mask, per_token_logps, per_token_logps.detach())
-        logps = sequence_logps(policy_token_logps, mask, self.args.tpo_length_normalize).view(-1, group_size)
-        targets = inputs["tpo_targets"].view(-1, group_size)
-        valid = inputs["tpo_valid_mask"].view(-1, group_size)
-
-        # Mean over the groups of this micro-batch; all micro-batches on all ranks hold the same number of groups, so
-        # dividing by GA (and DDP's mean over ranks) gives the mean over every group of the optimizer step.
-        policy_loss = tpo_loss(logps, targets, valid, reduction="mean")
+        logps = sequence_logps(policy_token_logps, mask, self.args.tpo_length_normalize)
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        split = inputs.get("tpo_coef") is not None
+        if split:
+            # Groups split over micro-batches: the members' constant coefficients give the group loss's gradient.
+            policy_loss = member_loss(inputs["tpo_coef"], inputs["tpo_row_ce"], logps, group_size)
+        else:
+            # Mean over the groups of this micro-batch; all micro-batches on all ranks hold the same number of
+            # groups, so dividing by GA (and DDP's mean over ranks) gives the mean over every group of the step.
+            logps = logps.view(-1, group_size)
+            targets = inputs["tpo_targets"].view(-1, group_size)
+            valid = inputs["tpo_valid_mask"].view(-1, group_size)
+            policy_loss = tpo_loss(logps, targets, valid, reduction="mean")
         loss = policy_loss / normalizer
 
         m = mask.bool()
@@ -378,29 +390,19 @@ class TPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        # Metrics. Every collective below runs on every rank, in the same order.
-        stats = tpo_group_stats(logps, targets, valid)
+        # Metrics. Every collective below runs on every rank, in the same order. Split groups logged the group
+        # metrics once per generation batch, where every group is whole.
         ent = torch.where(m, entropies.detach().float(), torch.zeros((), device=m.device))
-        local = [
-            stats["cross_entropy_sum"].float(),
-            torch.tensor(float(logps.shape[0]), device=m.device),
-            stats["kl_q_p_sum"].float(),
-            stats["num_groups"].float(),
-            ent.sum(),
-            m.sum().float(),
-        ]
+        local = [ent.sum(), m.sum().float()]
         if self.beta != 0.0:
             local += [per_token_kl.detach().float().sum(), m.sum().float()]
         totals = self.accelerator.reduce(torch.stack(local), reduction="sum")
-        max_abs = self.accelerator.gather(stats["max_abs_p_minus_q"].float().reshape(1)).max().item()
-        self._metrics[mode]["policy_loss"].append((totals[0] / totals[1].clamp(min=1)).item())
-        self._metrics[mode]["tpo/kl_q_p"].append((totals[2] / totals[3].clamp(min=1)).item())
-        self._metrics[mode]["entropy"].append((totals[4] / totals[5].clamp(min=1)).item())
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1)).item())
         if self.beta != 0.0:
-            self._metrics[mode]["kl"].append((totals[6] / totals[7].clamp(min=1)).item())
-        # A max over the whole optimizer step (all micro-batches and ranks), logged once per step.
-        self._tpo_max_abs_p_minus_q = max(self._tpo_max_abs_p_minus_q, max_abs)
-        if mode == "eval" or self.accelerator.sync_gradients:
-            self._metrics[mode]["tpo/max_abs_p_minus_q"].append(self._tpo_max_abs_p_minus_q)
-            self._tpo_max_abs_p_minus_q = 0.0
+            self._metrics[mode]["kl"].append((totals[2] / totals[3].clamp(min=1)).item())
+        if not split:
+            self._tpo_metrics.log_groups(
+                self.accelerator, self._metrics[mode], tpo_group_stats(logps, targets, valid), logps.shape[0],
+                reduce=True, step_end=mode == "eval" or self.accelerator.sync_gradients,
+            )
         return loss

@@ -5,6 +5,7 @@ training CPU-seconds along each run. One panel per M."""
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 
@@ -40,11 +41,13 @@ def _colors(results):
     return {m: f"C{i % 10}" for i, m in enumerate(methods)}
 
 
-def _title(results) -> str:
+def _title(results, panels: int = 1) -> str:
+    """The settings line, wrapped to the figure's width (about 80 characters per panel at font size 9)."""
     s = results[0]["settings"]
     weights = "LoRA" if s["lora"] else "full weights"
-    return (f"SmolLM2-135M-Instruct, {s['task']['name']}, {weights}; rollouts of {s['prompts_per_rollout']} prompts x "
+    text = (f"SmolLM2-135M-Instruct, {s['task']['name']}, {weights}; rollouts of {s['prompts_per_rollout']} prompts x "
             f"{s['num_generations']}, {s['eval_size']} held-out questions")
+    return textwrap.fill(text, width=80 * panels)
 
 
 def frontier_png(results: list[dict], path: str) -> None:
@@ -75,7 +78,7 @@ def frontier_png(results: list[dict], path: str) -> None:
         ax.set(xlabel="KL(π‖π0) at the end (nats, probe prompts)", ylabel="held-out score at the end (greedy)",
                title=f"M = {m} optimizer step{'s' if m > 1 else ''} per rollout")
         ax.legend(fontsize=7)
-    fig.suptitle(_title(results), fontsize=9)
+    fig.suptitle(_title(results, len(ms)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -106,7 +109,7 @@ def cpu_png(results: list[dict], path: str) -> None:
         ax.set(xlabel="training CPU-minutes (process CPU time, evaluations excluded)",
                ylabel="held-out score (greedy)", title=f"M = {m}")
         ax.legend(fontsize=7)
-    fig.suptitle(_title(results), fontsize=9)
+    fig.suptitle(_title(results, len(ms)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

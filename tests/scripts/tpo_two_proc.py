@@ -1,8 +1,8 @@
 """One TPOTrainer run on deterministic completions; importable (1 process) or launched under 2 gloo processes.
 
 `python -m accelerate.commands.launch --multi_gpu --num_processes 2 ... tpo_two_proc.py MODEL_DIR OUT.pt PER_DEVICE GA
-[NUM_ITERATIONS [EVAL_BATCH]]` writes (rank 0) the parameter update, the log history (with the evaluation's last when
-EVAL_BATCH is given) and per-rank group checks to OUT.pt. The completions depend only on (prompt, index within the
+[NUM_ITERATIONS [EVAL_BATCH]]` writes (rank 0) the parameter update, the log history (with EVAL_BATCH, the
+evaluation's metrics as its last entry) and per-rank group checks to OUT.pt. The completions depend only on (prompt, index within the
 group over all processes), so any split of the same effective batch sees the same data.
 """
 

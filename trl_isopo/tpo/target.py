@@ -199,7 +199,8 @@ def _detached_group_log_softmax(logps, targets, valid):
 def tpo_row_coefficients(
     old_logps: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-member form of `tpo_loss` at the rollout-time parameters, for groups split over micro-batches.
+    """Per-member form of `tpo_loss` at the parameters where `old_logps` were taken, for groups split over
+    micro-batches.
 
     At l_theta = l_old the group loss has gradient dL_g/dl_i = p_old_i - q_i, so sum_i c_i l_theta_i with the constant
     c_i = p_old_i - q_i has the same gradient, and the values r_i = -q_i log p_old_i add up to L_g. Both are sums over

@@ -2,8 +2,8 @@
 
 `python -m accelerate.commands.launch --multi_gpu --num_processes 2 ... tpo_two_proc.py MODEL_DIR OUT.pt PER_DEVICE GA
 [NUM_ITERATIONS [EVAL_BATCH]]` writes (rank 0) the parameter update, the log history (with EVAL_BATCH, the
-evaluation's metrics as its last entry) and per-rank group checks to OUT.pt. The completions depend only on (prompt, index within the
-group over all processes), so any split of the same effective batch sees the same data.
+evaluation's metrics as its last entry) and per-rank group checks to OUT.pt. The completions depend only on (prompt,
+index within the group over all processes), so any split of the same effective batch sees the same data.
 """
 
 import os

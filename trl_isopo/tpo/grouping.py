@@ -167,7 +167,6 @@ def check_whole_groups(
         )
 
 
-
 def gather_prompts(
     accelerator, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,8 +74,8 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
 
     With `per_device_train_batch_size` a multiple of `num_generations`, micro-batches are formed by shuffling whole
     groups; otherwise (allowed when every use of a generation batch lies inside one optimizer step) each member
-    carries its loss coefficient, fixed from its whole group. Either way the update is the exact mean over the groups of the optimizer step regardless of gradient
-    accumulation and world size.
+    carries its loss coefficient, fixed from its whole group. Either way the update is the exact mean over the groups
+    of the optimizer step regardless of gradient accumulation and world size.
 
     With one optimizer step per rollout and `num_iterations=1` (TRL then skips its old log-probs), p_old is taken from
     the loss forward's own detached log-probs, which equal the rollout-time ones exactly, so TPO runs no forward

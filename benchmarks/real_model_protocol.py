@@ -86,7 +86,7 @@ def cmd_pick(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from trl_isopo.real.analysis import Margins, differences_table, final_points, verdicts
+    from trl_isopo.real.analysis import Margins, differences_table, final_points, runs_table, verdicts
     from trl_isopo.real.figures import cpu_png, frontier_png
 
     results = _learning().load_results(args.results)
@@ -100,14 +100,20 @@ def cmd_analyze(args) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.figures)) or ".", exist_ok=True)
     frontier_png(kept, args.figures + "-frontier.png")
     cpu_png(kept, args.figures + "-cpu.png")
-    print(f"{len(kept)} runs; differences to {args.reference} paired by seed, 95 % percentile bootstrap over seeds "
-          f"({args.bootstrap} resamples)\n")
-    print(differences_table(points, reference=args.reference, n_boot=args.bootstrap))
-    print("\nverdicts (equal score: within {:g}; as close to pi_0: KL within {:g} x GRPO's):".format(
-        args.score_margin, args.kl_margin))
-    for line in verdicts(points, Margins(args.score_margin, args.kl_margin), n_boot=args.bootstrap):
-        print("- " + line)
-    print(f"\nwrote {args.figures}-frontier.png, {args.figures}-cpu.png")
+    lines = [f"{len(kept)} runs; differences to {args.reference} paired by seed, 95 % percentile bootstrap over seeds "
+             f"({args.bootstrap} resamples)", "", differences_table(points, reference=args.reference,
+                                                                    n_boot=args.bootstrap),
+             "", f"verdicts (equal score: within {args.score_margin:g}; as close to pi_0: KL within "
+             f"{args.kl_margin:g} x GRPO's):"]
+    lines += ["- " + line for line in verdicts(points, Margins(args.score_margin, args.kl_margin),
+                                               n_boot=args.bootstrap)]
+    lines += ["", "per run:", "", runs_table(kept)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(f"wrote {args.figures}-frontier.png, {args.figures}-cpu.png" + (f", {args.out}" if args.out else ""))
     return 0
 
 
@@ -140,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--methods", default=None, help="NAME=LR pins a method's learning rate (default: per (M, "
                     "method) the lr with the most seeds)")
     an.add_argument("--figures", default=FIGURES, help="PNG path prefix (-frontier.png, -cpu.png)")
+    an.add_argument("--out", default=None, help="also write the printed tables and verdicts to this file")
     an.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     an.add_argument("--reference", default="grpo", help="the method the paired differences are taken to")
     an.add_argument("--score-margin", type=float, default=0.05, help="score differences within it count as equal")

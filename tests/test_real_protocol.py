@@ -13,7 +13,8 @@ import warnings
 import numpy as np
 import pytest
 from trl_isopo.methods import get_method
-from trl_isopo.real.analysis import (Margins, bootstrap_means, final_points, paired_difference, seeds_to_resolve,
+from trl_isopo.real.analysis import (Margins, bootstrap_means, final_points, paired_difference, runs_table,
+                                     seeds_to_resolve, step_diagnostic,
                                      sweep_table, verdicts)
 from trl_isopo.real.figures import convex_hull, cpu_png, frontier_png
 from trl_isopo.real.protocol import PROTOCOL_METHODS, Protocol, has_pi_old
@@ -272,6 +273,27 @@ def test_final_points_pick_the_lr_with_most_seeds_and_sweep_picks():
     assert picks == {(4, "tpo"): 1e-4}  # the best score; the tie goes to the smaller KL
 
 
+def test_step_diagnostics_per_method():
+    clip = [0.5, 0.1, 0.2, 0.3, 0.7, 0.4, 0.0, 0.6]  # steps 1-8, generations before steps 1 and 5
+    rec = _record("grpo", 0, 0.5, 1.0)
+    rec.update(step_log=[{"step": i + 1, "clip_ratio/region_mean": c} for i, c in enumerate(clip)],
+               generation_steps=[0, 4])
+    name, value = step_diagnostic(rec)
+    assert name == "clip fraction" and value == pytest.approx((0.1 + 0.2 + 0.3 + 0.4 + 0.0 + 0.6) / 6)
+    rec["step_log"] = [{"step": i + 1, "clip_ratio/region_mean": 0.0, "isopo/scale_spread": 0.5 * i} for i in range(4)]
+    assert step_diagnostic(rec) == ("scale spread", pytest.approx(0.75))
+    rec["step_log"] = [{"step": i + 1, "tpo/max_abs_p_minus_q": v} for i, v in enumerate([0.2, 0.4])]
+    assert step_diagnostic(rec) == ("max|p−q|", pytest.approx(0.3))
+    rec.update(step_log=[{"step": 1, "clip_ratio/region_mean": 0.9}], generation_steps=[0])
+    assert math.isnan(step_diagnostic(rec)[1])  # only first steps: nothing could be clipped
+    rec.update(cpu_seconds=1234.4, evals=[{"rollout": 0, "greedy": 0.2, "kl": 0.0},
+                                          {"rollout": 8, "greedy": 0.51, "sampled": 0.4, "kl": 1.234}])
+    table = runs_table([_record("tpo", 1, 0.3, 2.0), rec])
+    assert "greedy score at rollouts 0 / 8 |" in table
+    assert "| 0 | 4 | `grpo` | 1e-05 | 0.200 / 0.510 | 0.400 | 1.23 | clip fraction nan | 1234 |" in table
+    assert table.index("`grpo`") < table.index("`tpo`")  # seed-major
+
+
 def test_convex_hull_against_brute_force():
     rng = np.random.default_rng(3)
     pts = [tuple(p) for p in rng.random((25, 2)).round(6)]
@@ -298,8 +320,9 @@ def test_protocol_script_pick_and_analyze(tmp_path, capsys):
     results = tmp_path / "protocol.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in _synthetic()))
     assert rmp.main(["analyze", "--results", str(results), "--figures", str(tmp_path / "fig"), "--bootstrap",
-                     "500"]) == 0
+                     "500", "--out", str(tmp_path / "analysis-out")]) == 0
     out = capsys.readouterr().out
+    assert (tmp_path / "analysis-out").read_text() in out and "per run:" in out
     assert "| 4 | ISOPO (p=-1, c=0) | 1e-05 | 5 |" in out and "(a) M=4" in out and "(c) M=4" in out
     assert (tmp_path / "fig-frontier.png").exists() and (tmp_path / "fig-cpu.png").exists()
     assert rmp.main(["pick", "--results", str(results)]) == 0

@@ -241,3 +241,37 @@ def sweep_table(results: list[dict]) -> tuple[str, dict]:
             rows.append(f"| {key[0]} | {key[1]} | {lr:g} | {n} | {score:.3f} | {kl:.3f} | "
                         f"{'**yes**' if lr == picks[key] else ''} |")
     return "\n".join(rows), picks
+
+
+def step_diagnostic(record: dict) -> tuple[str, float]:
+    """(name, value): the run's per-step diagnostic averaged over its optimizer steps. ISOPO: `isopo/scale_spread`
+    over every step; TPO: `tpo/max_abs_p_minus_q` over every step; methods with a clip: `clip_ratio/region_mean` over
+    the steps after a rollout's first (on the first, pi = pi_old and nothing can be clipped)."""
+    log = record.get("step_log", [])
+    for key, name in (("isopo/scale_spread", "scale spread"), ("tpo/max_abs_p_minus_q", "max|p−q|")):
+        vals = [s[key] for s in log if key in s]
+        if vals:
+            return name, statistics.mean(vals)
+    first = {g + 1 for g in record.get("generation_steps", [])}  # log steps are 1-based
+    vals = [s["clip_ratio/region_mean"] for s in log if "clip_ratio/region_mean" in s and s["step"] not in first]
+    return "clip fraction", statistics.mean(vals) if vals else math.nan
+
+
+def runs_table(results: list[dict]) -> str:
+    """Markdown, one row per run (seed-major): greedy score at each evaluation, final sampled score and KL, the mean
+    per-step diagnostic (`step_diagnostic`) and the run's CPU-seconds (training and evaluation)."""
+    rows = ["| seed | M | method | lr | greedy score at rollouts {} | final sampled | final KL, nats | per-step "
+            "diagnostic (mean) | CPU-s |", "|---|---|---|---|---|---|---|---|---|"]
+    rollouts = sorted({e.get("rollout", 0) for r in results for e in r["evals"]})
+    rows[0] = rows[0].format(" / ".join(str(k) for k in rollouts))
+    for r in sorted(results, key=lambda r: (r["settings"]["seed"], r["settings"].get("steps_per_rollout", 1),
+                                            r["settings"]["method"])):
+        s, ev = r["settings"], r["evals"]
+        by_rollout = {e.get("rollout", 0): e["greedy"] for e in ev}
+        scores = " / ".join(f"{by_rollout[k]:.3f}" if k in by_rollout else "–" for k in rollouts)
+        name, value = step_diagnostic(r)
+        cpu = r.get("cpu_seconds", math.nan)
+        rows.append(f"| {s['seed']} | {s.get('steps_per_rollout', 1)} | `{s['method']}` | {s['learning_rate']:g} | "
+                    f"{scores} | {ev[-1].get('sampled', math.nan):.3f} | {ev[-1].get('kl', math.nan):.2f} | "
+                    f"{name} {value:.3g} | {cpu:.0f} |")
+    return "\n".join(rows)

@@ -89,9 +89,13 @@ def cmd_analyze(args) -> int:
     from trl_isopo.real.analysis import Margins, differences_table, final_points, runs_table, verdicts
     from trl_isopo.real.figures import cpu_png, frontier_png
 
-    results = _learning().load_results(args.results)
+    rml = _learning()
+    results = rml.load_results(args.results)
+    if args.seeds:  # e.g. only the seeds every method has finished, so that each row pairs the same seeds
+        keep = set(rml.parse_seeds(args.seeds))
+        results = [r for r in results if r["settings"]["seed"] in keep]
     if not results:
-        print(f"no results in {args.results}")
+        print(f"no results in {args.results}" + (f" for seeds {args.seeds}" if args.seeds else ""))
         return 1
     lrs = _parse_lrs(args.methods)
     points = final_points(results, lrs)
@@ -146,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--methods", default=None, help="NAME=LR pins a method's learning rate (default: per (M, "
                     "method) the lr with the most seeds)")
     an.add_argument("--figures", default=FIGURES, help="PNG path prefix (-frontier.png, -cpu.png)")
+    an.add_argument("--seeds", default=None, help="only these seeds (e.g. 0-2); default: every seed in --results")
     an.add_argument("--out", default=None, help="also write the printed tables and verdicts to this file")
     an.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples")
     an.add_argument("--reference", default="grpo", help="the method the paired differences are taken to")

@@ -324,6 +324,12 @@ def test_protocol_script_pick_and_analyze(tmp_path, capsys):
     out = capsys.readouterr().out
     assert (tmp_path / "analysis-out").read_text() in out and "per run:" in out
     assert "| 4 | ISOPO (p=-1, c=0) | 1e-05 | 5 |" in out and "(a) M=4" in out and "(c) M=4" in out
+    assert rmp.main(["analyze", "--results", str(results), "--figures", str(tmp_path / "fig"), "--bootstrap",
+                     "500", "--seeds", "0-2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("12 runs;") and "| 4 | ISOPO (p=-1, c=0) | 1e-05 | 3 |" in out
+    assert rmp.main(["analyze", "--results", str(results), "--seeds", "7"]) == 1
+    assert "no results in" in capsys.readouterr().out
     assert (tmp_path / "fig-frontier.png").exists() and (tmp_path / "fig-cpu.png").exists()
     assert rmp.main(["pick", "--results", str(results)]) == 0
     assert "M=4: --methods grpo=1e-05,isopo=1e-05,reinforce=1e-05,tpo=1e-05" in capsys.readouterr().out

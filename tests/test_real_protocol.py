@@ -283,7 +283,7 @@ def test_step_diagnostics_per_method():
     rec["step_log"] = [{"step": i + 1, "clip_ratio/region_mean": 0.0, "isopo/scale_spread": 0.5 * i} for i in range(4)]
     assert step_diagnostic(rec) == ("scale spread", pytest.approx(0.75))
     rec["step_log"] = [{"step": i + 1, "tpo/max_abs_p_minus_q": v} for i, v in enumerate([0.2, 0.4])]
-    assert step_diagnostic(rec) == ("max|p−q|", pytest.approx(0.3))
+    assert step_diagnostic(rec) == ("max \\|p−q\\|", pytest.approx(0.3))
     rec.update(step_log=[{"step": 1, "clip_ratio/region_mean": 0.9}], generation_steps=[0])
     assert math.isnan(step_diagnostic(rec)[1])  # only first steps: nothing could be clipped
     rec.update(cpu_seconds=1234.4, evals=[{"rollout": 0, "greedy": 0.2, "kl": 0.0},

@@ -248,7 +248,7 @@ def step_diagnostic(record: dict) -> tuple[str, float]:
     over every step; TPO: `tpo/max_abs_p_minus_q` over every step; methods with a clip: `clip_ratio/region_mean` over
     the steps after a rollout's first (on the first, pi = pi_old and nothing can be clipped)."""
     log = record.get("step_log", [])
-    for key, name in (("isopo/scale_spread", "scale spread"), ("tpo/max_abs_p_minus_q", "max|p−q|")):
+    for key, name in (("isopo/scale_spread", "scale spread"), ("tpo/max_abs_p_minus_q", "max \\|p−q\\|")):
         vals = [s[key] for s in log if key in s]
         if vals:
             return name, statistics.mean(vals)

@@ -1,6 +1,6 @@
 """The protocol's two figures: score against KL (the ISOPO paper's Fig. 4 form, arXiv 2512.23353 §2: each run's KL
-from the initial policy and held-out score at the end, convex hulls shaded per method), and held-out score against
-training CPU-seconds along each run. One panel per M."""
+from the initial policy and held-out score at the end, convex hulls shaded per method; here also each run's path
+through its evaluations), and held-out score against training CPU-seconds along each run. One panel per M."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def _title(results, panels: int = 1) -> str:
 
 
 def frontier_png(results: list[dict], path: str) -> None:
-    """Final held-out score (greedy mean task score) against final KL(pi || pi_0), one point per run."""
+    """Final held-out score (greedy mean task score) against final KL(pi || pi_0), one point per run, hulls per
+    method; each run's earlier evaluations drawn faintly as the path to its point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,13 +71,17 @@ def frontier_png(results: list[dict], path: str) -> None:
             pts = [p for p in pts if not math.isnan(p[0])]
             if not pts:
                 continue
+            for r in runs:  # the path each run took there: (KL, score) at every evaluation, faint
+                trail = [(e["kl"], e["greedy"]) for e in r["evals"] if not math.isnan(e.get("kl", math.nan))]
+                ax.plot([p[0] for p in trail], [p[1] for p in trail], "-", color=color, lw=0.8, alpha=0.3)
             ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, s=22,
                        label=f"{get_method(method).label} ({len(pts)})")
             hull = convex_hull(pts)
             if len(hull) >= 3:
                 ax.add_patch(Polygon(hull, closed=True, color=color, alpha=0.15, lw=0))
-        ax.set(xlabel="KL(π‖π0) at the end (nats, probe prompts)", ylabel="held-out score at the end (greedy)",
-               title=f"M = {m} optimizer step{'s' if m > 1 else ''} per rollout")
+        ax.set(xlabel="KL(π‖π0), nats (probe prompts)", ylabel="held-out score (greedy)",
+               title=f"M = {m} optimizer step{'s' if m > 1 else ''} per rollout\n"
+                     "(dots: end of run; lines: its evaluations)")
         ax.legend(fontsize=7)
     fig.suptitle(_title(results, len(ms)), fontsize=9)
     fig.tight_layout()

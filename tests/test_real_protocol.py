@@ -250,6 +250,9 @@ def test_verdicts_on_synthetic_runs(tmp_path):
     assert any(line.startswith("(b) M=4") and ": yes," in line for line in lines)
     c = next(line for line in lines if line.startswith("(c) M=4"))
     assert ": no, TPO scores lower" in c
+    two = final_points([r for r in _synthetic() if r["settings"]["seed"] < 2])  # too few seeds for any verdict
+    assert paired_difference(two, "isopo", "reinforce", 4, "kl") is None
+    assert all("no verdict" in line and "at least 3 paired seeds" in line for line in verdicts(two, n_boot=200))
     noisy = [r for r in _synthetic() if r["settings"]["method"] in ("grpo", "tpo")]
     for r in noisy:
         if r["settings"]["method"] == "tpo":

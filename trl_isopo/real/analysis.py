@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# A difference, and so a verdict, needs this many paired seeds: with 2 the percentile bootstrap can only return the
+# range of the two differences, an interval with no coverage to speak of.
+MIN_SEEDS = 3
+
+
 def bootstrap_means(diffs: Sequence[float], n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """(n_boot,) means of `diffs` resampled with replacement (same length)."""
     d = np.asarray(diffs, dtype=np.float64)
@@ -94,10 +99,11 @@ def final_points(results: list[dict], lrs: dict | None = None) -> dict:
 
 def paired_difference(points: dict, method: str, other: str, m: int, quantity: str, n_boot: int = 10_000,
                       seed: int = 0):
-    """The `Difference` of `method` to `other` at M = `m` over their common seeds (None with fewer than 2)."""
+    """The `Difference` of `method` to `other` at M = `m` over their common seeds (None with fewer
+    than `MIN_SEEDS`)."""
     a, b = points.get((m, method), {}), points.get((m, other), {})
     seeds = sorted(set(a) & set(b))
-    if len(seeds) < 2:
+    if len(seeds) < MIN_SEEDS:
         return None
     d = [a[s][quantity] - b[s][quantity] for s in seeds]
     lo, hi = bootstrap_ci(d, n_boot, seed=seed)
@@ -154,7 +160,7 @@ def verdicts(points: dict, margins: Margins = Margins(), n_boot: int = 10_000) -
 
 
 def _missing(tag, m, what):
-    return f"({tag}) M={m}: no verdict, {what} lack at least 2 paired seeds."
+    return f"({tag}) M={m}: no verdict, {what} lack at least {MIN_SEEDS} paired seeds."
 
 
 def _verdict_a(m, iso, kl: Difference | None, score: Difference | None, margins: Margins) -> str:

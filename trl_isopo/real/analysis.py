@@ -266,10 +266,9 @@ def step_diagnostic(record: dict) -> tuple[str, float]:
 def runs_table(results: list[dict]) -> str:
     """Markdown, one row per run (seed-major): greedy score at each evaluation, final sampled score and KL, the mean
     per-step diagnostic (`step_diagnostic`) and the run's CPU-seconds (training and evaluation)."""
-    rows = ["| seed | M | method | lr | greedy score at rollouts {} | final sampled | final KL, nats | per-step "
-            "diagnostic (mean) | CPU-s |", "|---|---|---|---|---|---|---|---|---|"]
     rollouts = sorted({e.get("rollout", 0) for r in results for e in r["evals"]})
-    rows[0] = rows[0].format(" / ".join(str(k) for k in rollouts))
+    rows = [f"| seed | M | method | lr | greedy score at rollouts {' / '.join(map(str, rollouts))} | final sampled | "
+            "final KL, nats | per-step diagnostic (mean) | CPU-s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["settings"]["seed"], r["settings"].get("steps_per_rollout", 1),
                                             r["settings"]["method"])):
         s, ev = r["settings"], r["evals"]

@@ -104,8 +104,9 @@ def cmd_analyze(args) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.figures)) or ".", exist_ok=True)
     frontier_png(kept, args.figures + "-frontier.png")
     cpu_png(kept, args.figures + "-cpu.png")
-    lines = [f"{len(kept)} runs; differences to {args.reference} paired by seed, 95 % percentile bootstrap over seeds "
-             f"({args.bootstrap} resamples)", "", differences_table(points, reference=args.reference,
+    lines = [f"{len(kept)} runs; differences to {args.reference} paired by seed with two 95 % intervals over seeds: "
+             f"the percentile bootstrap ({args.bootstrap} resamples) and Student's t; a claim is resolved only when "
+             "both clear its boundary", "", differences_table(points, reference=args.reference,
                                                                     n_boot=args.bootstrap),
              "", f"verdicts (equal score: within {args.score_margin:g}; as close to pi_0: KL within "
              f"{args.kl_margin:g} x GRPO's):"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from trl_isopo.methods import get_method
 from trl_isopo.real.analysis import (Margins, bootstrap_means, final_points, paired_difference, runs_table,
-                                     seeds_to_resolve, step_diagnostic,
+                                     seeds_to_resolve, step_diagnostic, t_interval, t_quantile,
                                      sweep_table, verdicts)
 from trl_isopo.real.figures import convex_hull, cpu_png, frontier_png
 from trl_isopo.real.protocol import PROTOCOL_METHODS, Protocol, has_pi_old
@@ -212,6 +212,28 @@ def test_bootstrap_means_match_exhaustive_enumeration():
         p = sum(v <= x + 1e-12 for v in exact) / len(exact)
         assert abs(np.mean(draws <= x + 1e-12) - p) < 4 * math.sqrt(p * (1 - p) / 60_000) + 1e-9
     assert np.all(bootstrap_means([0.3] * 5, 100, np.random.default_rng(0)) == 0.3)
+
+
+def test_t_quantile_closed_forms_and_normal_limit():
+    """df = 1 (Cauchy) and df = 2 have closed-form quantiles; large df tends to the normal."""
+    for p in (0.9, 0.975, 0.995):
+        assert t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-7)
+        assert t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-7)
+    assert t_quantile(0.975, 100_000) == pytest.approx(statistics.NormalDist().inv_cdf(0.975), rel=1e-4)
+
+
+def test_verdict_needs_the_t_interval_too():
+    """3 paired seeds whose differences are all < 0: the bootstrap interval (inside their range) clears 0, Student's
+    t (df = 2, closed form half-width) does not, so the claim stays unresolved."""
+    d = [-0.1, -0.5, -0.05]
+    lo, hi = t_interval(d)
+    half = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025) * statistics.stdev(d) / math.sqrt(3)
+    assert (lo, hi) == pytest.approx((statistics.mean(d) - half, statistics.mean(d) + half))
+    grpo = [_record("grpo", s, 0.5, 2.0) for s in range(3)]
+    iso = [_record("isopo", s, 0.5, 2.0 + x) for s, x in enumerate(d)]
+    diff = paired_difference(final_points(grpo + iso), "isopo", "grpo", 4, "kl", n_boot=2000)
+    assert diff.hi < 0 < diff.t_hi and not diff.clears(0.0, below=True)
+    assert "(t: [" in diff.text()
 
 
 def test_seeds_to_resolve_closed_form():

@@ -236,10 +236,14 @@ def test_verdict_needs_the_t_interval_too():
     assert "(t: [" in diff.text()
 
 
-def test_seeds_to_resolve_closed_form():
-    z = 1.959963984540054 + 0.8416212335729143
-    assert seeds_to_resolve(0.5, 1.0) == math.ceil((z / 0.5) ** 2) == 32
-    assert seeds_to_resolve(0.1, 0.1, boundary=-0.05) == math.ceil((z * 0.1 / 0.15) ** 2)
+def test_seeds_to_resolve_against_tables():
+    """The one-sample t-test size. d = 0.5 SD: 34 (R's power.t.test(delta = 0.5, sd = 1, type = "one.sample",
+    power = 0.8) gives n = 33.37). gap 0.15, SD 0.1: printed t tables give n = 5 -> (2.776 + 0.941)^2 / 1.5^2 = 6.14
+    > 5 and n = 6 -> (2.571 + 0.920)^2 / 1.5^2 = 5.42 <= 6, so 6; the normal approximation would say 4."""
+    assert seeds_to_resolve(0.5, 1.0) == 34
+    assert seeds_to_resolve(0.1, 0.1, boundary=-0.05) == 6
+    assert ((2.776 + 0.941) / 1.5) ** 2 > 5 and ((2.571 + 0.920) / 1.5) ** 2 <= 6
+    assert seeds_to_resolve(1.0, 0.01) == 3  # never fewer than a difference needs
     assert seeds_to_resolve(0.0, 1.0) is None
 
 

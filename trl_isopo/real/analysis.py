@@ -6,9 +6,8 @@ task score) and the final KL(pi || pi_0). Two 95 % intervals of the mean of d: t
 resampled seeds, and Student's t (mean +- t_{0.975, n-1} * sd / sqrt(n)). At 3-5 seeds the bootstrap is too narrow
 (for normal differences it covers the mean about 75 % of the time at n = 3, 84 % at n = 5;
 benchmarks/interval_coverage.py), so a claim is resolved only when both intervals clear its boundary (0, or a stated
-margin); when they do not, the seed count that would resolve it is the normal-approximation sample size for the
-observed paired SD:
-n = ((z_{1-alpha/2} + z_{power}) * sd / |mean - boundary|)^2.
+margin); when they do not, the seed count that would resolve it is the t-test sample size for the observed paired
+SD: the smallest n with n >= ((t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / |mean - boundary|)^2.
 """
 
 from __future__ import annotations
@@ -70,13 +69,18 @@ def t_interval(diffs: Sequence[float], level: float = 0.95) -> tuple:
 
 
 def seeds_to_resolve(mean: float, sd: float, boundary: float = 0.0, alpha: float = 0.05, power: float = 0.8):
-    """Seeds for a two-sided level-alpha interval of a paired mean to exclude `boundary` with probability `power`,
-    if the true difference is the observed `mean` with paired SD `sd`; None when mean == boundary (no size does)."""
+    """Seeds for a two-sided level-alpha t interval of a paired mean to exclude `boundary` with probability `power`,
+    if the true difference is the observed `mean` with paired SD `sd`: the smallest n (at least `MIN_SEEDS`) with
+    n >= ((t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / |mean - boundary|)^2 (the shifted-central-t approximation of
+    the noncentral t). None when mean == boundary (no size does)."""
     gap = abs(mean - boundary)
     if gap == 0.0:
         return None
     z = statistics.NormalDist().inv_cdf
-    return max(2, math.ceil(((z(1 - alpha / 2) + z(power)) * sd / gap) ** 2))
+    n = max(MIN_SEEDS, math.ceil(((z(1 - alpha / 2) + z(power)) * sd / gap) ** 2))  # t > z: a lower bound
+    while n < ((t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) * sd / gap) ** 2:
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,16 @@ def test_verdict_needs_the_t_interval_too():
     assert "(t: [" in diff.text()
 
 
+def test_unresolved_caps_the_seed_count_near_the_boundary():
+    """A score difference of -0.049 against the -0.05 margin needs tens of thousands of seeds: said as 'more than'."""
+    d = [-0.02, -0.09, -0.03, -0.056]  # mean -0.049, SD about 0.031
+    grpo = [_record("grpo", s, 0.5, 1.0) for s in range(4)]
+    tpo = [_record("tpo", s, 0.5 + x, 1.0 + 0.1 * (s % 2) - 0.2) for s, x in enumerate(d)]
+    c = verdicts(final_points(grpo + tpo), n_boot=2000)[0]
+    assert seeds_to_resolve(statistics.mean(d), statistics.stdev(d), -0.05) > 1000
+    assert "more than 1000 paired seeds: the observed mean is 0.001 from the boundary -0.050" in c
+
+
 def test_seeds_to_resolve_against_tables():
     """The one-sample t-test size. d = 0.5 SD: 34 (R's power.t.test(delta = 0.5, sd = 1, type = "one.sample",
     power = 0.8) gives n = 33.37). gap 0.15, SD 0.1: printed t tables give n = 5 -> (2.776 + 0.941)^2 / 1.5^2 = 6.14

@@ -24,6 +24,8 @@ import numpy as np
 # A difference, and so a verdict, needs this many paired seeds: with 2 the percentile bootstrap can only return the
 # range of the two differences, an interval with no coverage to speak of.
 MIN_SEEDS = 3
+# Seed counts above this are reported as "more than" it.
+MAX_SEEDS_QUOTED = 1000
 
 
 def bootstrap_means(diffs: Sequence[float], n_boot: int, rng: np.random.Generator) -> np.ndarray:
@@ -158,9 +160,14 @@ def paired_difference(points: dict, method: str, other: str, m: int, quantity: s
 
 def _unresolved(diff: Difference, boundary: float, what: str) -> str:
     n = diff.seeds_needed(boundary)
-    more = ("no seed count would: the observed mean sits on the boundary" if n is None else
-            f"about {n} paired seeds would resolve a true difference of this size (paired SD {diff.sd:.3f}, 80 % "
-            "power, 5 % two-sided)")
+    if n is None:
+        more = "no seed count would: the observed mean sits on the boundary"
+    elif n > MAX_SEEDS_QUOTED:  # a mean a hair from the boundary: the count is real but says only "never"
+        more = (f"more than {MAX_SEEDS_QUOTED} paired seeds: the observed mean is {abs(diff.mean - boundary):.3f} from "
+                f"the boundary {boundary:+.3f} (paired SD {diff.sd:.3f})")
+    else:
+        more = (f"about {n} paired seeds would resolve a true difference of this size (paired SD {diff.sd:.3f}, 80 % "
+                "power, 5 % two-sided)")
     return f"not resolved at this power ({what} {diff.text()} over {diff.n} seeds; {more})"
 
 

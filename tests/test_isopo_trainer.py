@@ -134,7 +134,7 @@ def test_nonfinite_coefficients_are_dropped_counted_and_warned(tiny_model_dir, t
         (dict(epsilon=1e9), "epsilon=1000000000.0 has no effect"),
         (dict(epsilon_high=0.28), "epsilon_high=0.28 has no effect"),
         (dict(torch_compile=True), "torch_compile"),
-        (dict(use_vllm=True), "vllm_importance_sampling_correction"),
+        (dict(use_vllm=True, vllm_importance_sampling_correction=True), "vllm_importance_sampling_correction"),
         (dict(fp16=True, bf16=False), "fp16"),
     ],
 )

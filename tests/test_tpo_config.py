@@ -57,13 +57,13 @@ def test_config_accepts_split_groups_only_inside_one_optimizer_step(tmp_path):
         {"epsilon_high": 0.28},
         {"delta": 2.0},
         {"importance_sampling_level": "sequence", "loss_type": "grpo"},
-        {"use_vllm": True},
+        {"use_vllm": True, "vllm_importance_sampling_correction": True},
     ],
 )
 def test_config_rejects_options_tpo_cannot_honour(tmp_path, option):
     """(Options TPO gives a meaning to, entropy bonus, top_entropy_quantile, scale_rewards, ...: test_tpo_options.py.)"""
     name = next(iter(option)) if "loss_type" not in option or len(option) == 1 else "importance_sampling_level"
-    if name == "use_vllm":
+    if "use_vllm" in option:
         name = "vllm_importance_sampling_correction"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # loss_type="grpo" alone is accepted with a warning

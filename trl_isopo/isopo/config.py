@@ -148,6 +148,13 @@ class ISOPOConfig(GRPOConfig):
     isopo_chunk_mb: float = field(
         default=256.0, metadata={"help": "Memory budget (MiB) for any chunked intermediate of the statistics."}
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "Off for ISOPO (TRL's default is True): ISOPO has no importance ratio for TRL's truncated "
+            "pi_train/pi_vLLM weight to act on; log-probs are recomputed by the training model. True is refused."
+        },
+    )
     loss_type: str = field(
         default="bnpo",
         metadata={
@@ -216,8 +223,9 @@ class ISOPOConfig(GRPOConfig):
             )
         if self.use_vllm and self.vllm_importance_sampling_correction:
             errors.append(
-                "ISOPO has no importance ratio (like the reference, which recomputes log-probs in the trainer): set "
-                "vllm_importance_sampling_correction=False when use_vllm=True."
+                "vllm_importance_sampling_correction=True is not supported: ISOPO has no importance ratio for the "
+                "correction's weight (log-probs are recomputed by the training model). Leave it at its ISOPO default, "
+                "False."
             )
         if self.torch_compile:
             errors.append("ISOPO's per-layer autograd Function does not compile: set torch_compile=False.")

@@ -151,6 +151,11 @@ class PROMAConfig(GRPOConfig):
         metadata={"help": "Also project the LM head's weight gradient (the reference covers every nn.Linear, head "
                           "included; accumulation on a large-vocabulary head costs about one more head GEMM)."},
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={"help": "Off for PROMA (TRL's default is True): PROMA applies no importance-sampling weight; "
+                          "log-probs are recomputed by the training model. True is refused."},
+    )
     loss_type: str = field(
         default="bnpo",
         metadata={"help": "Normalization of the advantage-free surrogate (PROMA has no clipping).",
@@ -264,8 +269,9 @@ class PROMAConfig(GRPOConfig):
             errors.append("PROMA's surrogate has no advantage-signed ratio to mask: set "
                           "off_policy_mask_threshold=None.")
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            errors.append("PROMA applies no importance-sampling correction (the reference recomputes log-probs in the "
-                          "trainer): set vllm_importance_sampling_correction=False when use_vllm=True.")
+            errors.append("vllm_importance_sampling_correction=True is not supported: PROMA applies no importance-"
+                          "sampling weight (log-probs are recomputed by the training model). Leave it at its PROMA "
+                          "default, False.")
         if self.fp16:
             errors.append("fp16 is not supported by the per-layer backward PROMA shares with ISOPO (GradScaler): use "
                           "bf16=True or full precision.")

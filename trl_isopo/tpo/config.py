@@ -67,8 +67,8 @@ def tpo_unsupported_options(args) -> list[str]:
     if args.use_vllm and args.vllm_importance_sampling_correction:
         problems.append(
             "`vllm_importance_sampling_correction=True` is not supported: TPO always takes p_old from the training "
-            "model's recomputed log-probs and applies no importance ratio. Set vllm_importance_sampling_correction="
-            "False."
+            "model's recomputed log-probs and applies no importance ratio. Leave vllm_importance_sampling_correction "
+            "at its TPO default, False."
         )
     return problems
 
@@ -121,6 +121,13 @@ class TPOConfig(GRPOConfig):
         metadata={
             "help": "Anchor the target on the rollout-time policy p_old (TPO). False: q = softmax(u / eta), the "
             "paper's TPO-no-anchor ablation."
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "Off for TPO (TRL's default is True): p_old is always the training model's recomputed log-probs "
+            "and TPO applies no importance ratio. True is refused."
         },
     )
     tpo_length_normalize: bool = field(

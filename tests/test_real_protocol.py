@@ -12,6 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
+from trl_isopo.compat import CHECKPOINTING_FIELD
 from trl_isopo.methods import get_method
 from trl_isopo.real.analysis import (Margins, bootstrap_means, final_points, paired_difference, runs_table,
                                      seeds_to_resolve, step_diagnostic, t_interval, t_quantile,
@@ -59,7 +60,7 @@ def test_configs_carry_no_deprecated_or_ignored_settings(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         config = _config(RealRun(method="tpo"), str(tmp_path), progress=False)
-    assert config.model_init_kwargs is None and config.activation_checkpointing is False
+    assert config.model_init_kwargs is None and getattr(config, CHECKPOINTING_FIELD) is False
 
 
 def test_protocol_runs_share_the_budget():

@@ -43,6 +43,8 @@ def rollout_config(config_cls, output_dir: str, *, prompts: int, generations: in
     whole rollout and one step), `num_iterations=1` unless `fields` says otherwise, constant lr, float32, no
     activation checkpointing, no saving or reporting. `fields` are the method's own settings (and any override); a
     `gradient_accumulation_steps` among them splits the mini-batch unless `micro_batch` is given."""
+    from ..compat import CHECKPOINTING_FIELD  # imports transformers: only when a config is built
+
     fields = dict(fields)
     accumulation = fields.pop("gradient_accumulation_steps", 1)
     base = dict(
@@ -65,9 +67,9 @@ def rollout_config(config_cls, output_dir: str, *, prompts: int, generations: in
         report_to="none",
         seed=seed,
         data_seed=seed,
-        # transformers 5's name: setting the deprecated `gradient_checkpointing` (TRL's configs default it to True)
-        # makes every config print a FutureWarning
-        activation_checkpointing=False,
+        # off (TRL's configs default it to True), under the installed transformers' name: the deprecated alias
+        # `gradient_checkpointing` makes every config print a FutureWarning from 5.18 on
+        **{CHECKPOINTING_FIELD: False},
         disable_tqdm=not progress,
     )
     return config_cls(**{**base, **fields})

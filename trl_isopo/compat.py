@@ -1,7 +1,7 @@
 """Names that differ between the transformers / TRL versions this package is tested with (pyproject.toml's range).
 
-Every version-dependent name the package uses is resolved here once, from the installed library, so a new release
-that renames one fails in one place."""
+A name that differs across that range is resolved here once, from the installed library, so a release that renames
+it is met in one place. (TRL private names used elsewhere in the package are not gathered here yet.)"""
 
 from __future__ import annotations
 

@@ -87,6 +87,7 @@ class PhaseMemory:
         self.stats = {name: {"seconds": 0.0, "entries": 0, "peak_rss": 0, "max_rise": 0, "peak_heap": 0,
                              "cuda_peak": 0} for name in PHASES}
         self.samples: list[tuple[float, int, str]] = []
+        self.row_tokens: list[int] = []  # padded prompt + completion length of every loss forward's micro-batch
         self.t0 = time.perf_counter()
         self.stats[PHASES[0]]["entries"] = 1
 
@@ -158,7 +159,6 @@ def instrument(memory: PhaseMemory) -> None:
     """Wrap the training loop's methods (on every trainer class that defines them) and the job's evaluation."""
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
-    from transformers import Trainer
     from trl import GRPOTrainer
 
     import trl_isopo.real.evaluate as evaluate
@@ -166,12 +166,22 @@ def instrument(memory: PhaseMemory) -> None:
     from trl_isopo.proma.trainer import PROMATrainer
     from trl_isopo.tpo.trainer import TPOTrainer
 
-    trainers = (Trainer, GRPOTrainer, ISOPOTrainer, PROMATrainer, TPOTrainer)
+    # every class on the trainers' MROs that defines a method (mixins included); a nested call is one phase
+    trainers = {cls for trainer in (ISOPOTrainer, PROMATrainer, TPOTrainer) for cls in trainer.__mro__}
     for attr, name in (("training_step", "step (rest)"), ("_generate_and_score_completions", "generation"),
                        ("compute_loss", "loss forward")):
         for cls in trainers:
             if attr in cls.__dict__:
                 setattr(cls, attr, memory.wrap(cls.__dict__[attr], name))
+    loss = GRPOTrainer.compute_loss  # wrapped above
+
+    @functools.wraps(loss)
+    def counted_loss(self, model, inputs, *args, **kwargs):
+        if isinstance(inputs, dict) and "completion_ids" in inputs:
+            memory.row_tokens.append(int(inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]))
+        return loss(self, model, inputs, *args, **kwargs)
+
+    GRPOTrainer.compute_loss = counted_loss
     logps = GRPOTrainer._get_per_token_logps_and_entropies
 
     @functools.wraps(logps)
@@ -212,7 +222,7 @@ def run_job(real_args: list[str], interval: float) -> dict:
         thread.join()
         memory.finish()
     return {"args": real_args, "rc": rc, "wall_seconds": time.perf_counter() - t0, "peak_rss": peak_rss_bytes(),
-            "end": rss_parts(),
+            "end": rss_parts(), "row_tokens": memory.row_tokens,
             "cuda": memory.cuda, "phases": memory.stats,
             "timeline": [(round(t, 3), rss, name) for t, rss, name in memory.samples[:: max(1, len(memory.samples) // 4000)]]}
 
@@ -230,7 +240,9 @@ def table(result: dict) -> str:
         mark = " <- peak" if s["peak_rss"] >= 0.99 * peak else ""
         lines.append(f"{name:<18} {s['seconds']:>8.1f} {s['entries']:>7} {s['peak_rss'] / GIB:>12.2f} "
                      f"{s['max_rise'] / GIB:>12.2f} {s['peak_heap'] / GIB:>13.2f}" + (f" {s['cuda_peak'] / GIB:>13.2f}" if cuda else "") + mark)
-    lines.append(f"process peak RSS (ru_maxrss) {peak / GIB:.2f} GiB, wall {result['wall_seconds']:.0f} s")
+    tokens = sorted(result["row_tokens"])
+    lines.append(f"process peak RSS (ru_maxrss) {peak / GIB:.2f} GiB, wall {result['wall_seconds']:.0f} s"
+                 + (f", rows of {tokens[len(tokens) // 2]} tokens (median padded prompt + completion)" if tokens else ""))
     if result["end"]:
         lines.append("at the end, GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in result["end"].items()))
     return "\n".join(lines)

@@ -184,3 +184,22 @@ def test_compute_loss_outside_the_window_is_refused(tiny_tokenizer, tmp_path):
         trainer._compute_loss(trainer.model, mb)
     data = per_sequence_data(trainer, mb)  # outside the window the layers are plain: the oracle's own forward
     assert torch.isfinite(data["V"][trainer.proma_coverage["covered"][0]]).all()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("setting", ["accumulation", "intra"])
+def test_activation_checkpointing_gives_the_same_step(tiny_tokenizer, tmp_path, setting, lora):
+    """With activation checkpointing (TRL's default; the real-model job's memory setting) the layers' inputs are
+    recomputed in the backward: the update is still the oracle's PROMA chain."""
+    trainer = make_trainer(tiny_tokenizer, tmp_path, ga=3, lora=lora, **SETTINGS[setting])
+    trainer.model.gradient_checkpointing_enable({"use_reentrant": False})  # what Trainer.train() does
+    assert trainer.model.is_gradient_checkpointing
+    # a module inside the checkpointed layer (the layer's own call is not repeated; its forward is)
+    mlp = next(m for name, m in trainer.model.named_modules() if name.endswith("layers.0.mlp"))
+    calls = []
+    hook = mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    window = micro_batches(tiny_tokenizer, WINDOW)
+    got = run_step(trainer, window)
+    hook.remove()
+    assert len(calls) == 2 * len(WINDOW)  # each micro-batch's forward and its recompute in the backward
+    check_step(trainer, got, oracle_step_grads(trainer, window))

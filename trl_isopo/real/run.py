@@ -64,6 +64,8 @@ class RealRun:
     steps_per_rollout: int = 1  # M: optimizer steps per rollout, each on 1/M of it
     num_iterations: int = 1  # TRL's passes over each rollout (each M steps)
     micro_batch: int = 0  # rows per forward/backward; 0: one micro-batch per optimizer step
+    # recompute each layer's activations in the backward instead of keeping them (memory for time; the same update)
+    activation_checkpointing: bool = False
     task: ArithmeticTask = field(default_factory=ArithmeticTask)
 
     def __post_init__(self):
@@ -107,6 +109,7 @@ def _config(run: RealRun, output_dir: str, progress: bool):
         max_completion_length=run.max_completion_length, temperature=run.temperature,
         learning_rate=run.learning_rate, max_steps=run.steps, seed=run.seed, progress=progress,
         steps_per_rollout=run.steps_per_rollout, micro_batch=run.micro_batch,
+        activation_checkpointing=run.activation_checkpointing,
         **{**method.fields, "num_iterations": run.num_iterations},
     )
 
@@ -229,9 +232,11 @@ def step_log(log_history) -> list[dict]:
 
 
 def _ignore_library_warnings():
-    """TRL 1.16 and PEFT read transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning from inside
-    the libraries, not from this configuration); only that message is hidden, inside `warnings.catch_warnings`."""
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    """TRL 1.16 and PEFT read transformers 5's deprecated `is_gradient_checkpointing` and call its deprecated
+    `gradient_checkpointing_enable` / `_disable` (FutureWarnings from inside the libraries, not from this
+    configuration); only those messages are hidden, inside `warnings.catch_warnings`."""
+    for name in ("is_gradient_checkpointing", "gradient_checkpointing_enable", "gradient_checkpointing_disable"):
+        warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
 
 
 def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=None, save_model: bool = True,

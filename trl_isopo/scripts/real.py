@@ -15,6 +15,7 @@ import sys
 import time
 
 from trl_isopo.real.run import RealRun
+from trl_isopo.real.schedule import JOB_ACTIVATION_CHECKPOINTING, JOB_MICRO_BATCH, job_micro_batch
 
 DEFAULTS = RealRun()
 
@@ -29,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps in all (whole rollouts of --steps-per-rollout steps)")
     p.add_argument("--steps-per-rollout", type=int, default=DEFAULTS.steps_per_rollout,
                    help="M: optimizer steps per rollout, each on 1/M of it (default 1)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help=f"rows per forward/backward: the memory knob (peak memory grows with it, time shrinks); "
+                        f"default: at most {JOB_MICRO_BATCH} rows, the largest that divides an optimizer step; 0: the "
+                        f"whole step at once. Accumulation PROMA keeps its own split")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=JOB_ACTIVATION_CHECKPOINTING,
+                   help="recompute each layer's activations in the backward instead of keeping them from the "
+                        "forward: less memory per micro-batch row, more time, the same update (default on)")
     p.add_argument("--prompts", type=int, default=DEFAULTS.prompts_per_rollout, help="prompts per rollout")
     p.add_argument("--generations", type=int, default=DEFAULTS.num_generations, help="completions per prompt (K)")
     p.add_argument("--max-completion-length", type=int, default=DEFAULTS.max_completion_length)
@@ -52,15 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_run(args) -> RealRun:
+    from trl_isopo.methods import get_method
     from trl_isopo.real.task import task_from_cli
 
-    run = RealRun(method=args.method, lora=not args.full, steps=args.steps, prompts_per_rollout=args.prompts,
-                  num_generations=args.generations, max_completion_length=args.max_completion_length,
+    prompts, generations = (2, 4) if args.quick else (args.prompts, args.generations)
+    micro_batch = job_micro_batch(get_method(args.method), prompts * generations, generations,
+                                  args.steps_per_rollout, args.micro_batch)
+    run = RealRun(method=args.method, lora=not args.full, steps=args.steps, prompts_per_rollout=prompts,
+                  num_generations=generations, max_completion_length=args.max_completion_length,
                   eval_size=args.eval_size, eval_every=args.eval_every, seed=args.seed, model=args.model,
-                  steps_per_rollout=args.steps_per_rollout, task=task_from_cli(args.task, args.task_config))
+                  steps_per_rollout=args.steps_per_rollout, micro_batch=micro_batch,
+                  activation_checkpointing=args.activation_checkpointing, task=task_from_cli(args.task, args.task_config))
     run.learning_rate = args.lr if args.lr is not None else (DEFAULTS.learning_rate if run.lora else 1e-5)
     if args.quick:
-        run.steps, run.prompts_per_rollout, run.num_generations = 2 * run.steps_per_rollout, 2, 4
+        run.steps = 2 * run.steps_per_rollout
         run.max_completion_length, run.eval_size, run.eval_every = 12, 8, 0
         run.__post_init__()
     return run
@@ -154,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     print(f"trl-isopo real: {run.label()} {'LoRA r=' + str(run.lora_r) if run.lora else 'full weights'}, lr "
           f"{run.learning_rate:g}, {run.rollouts()} rollouts x {run.prompts_per_rollout} prompts x "
-          f"{run.num_generations} completions, {run.steps_per_update()} optimizer step(s) per rollout, "
-          f"{run.task.describe()}", flush=True)
+          f"{run.num_generations} completions, {run.steps_per_update()} optimizer step(s) per rollout in "
+          f"micro-batches of {run.micro_batch or run.prompts_per_rollout * run.num_generations // run.steps_per_rollout}"
+          f" rows{', activation checkpointing' if run.activation_checkpointing else ''}, {run.task.describe()}",
+          flush=True)
 
     def on_event(kind, value):
         if kind == "eval" and value["step"] == 0:

@@ -24,6 +24,7 @@ from trl_isopo.tiny import set_offline_env
 set_offline_env()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "real-model"
+DOC = ROOT / "docs/real-model.md"
 
 
 # ------------------------------------------------------------------------------------------------ the micro-batch
@@ -109,7 +110,7 @@ def test_main_job_defaults_are_the_documented_memory_settings(method, tmp_path):
     assert config.gradient_accumulation_steps == 4
     assert config.steps_per_generation == 4  # one rollout feeds one optimizer step
     assert getattr(config, CHECKPOINTING_FIELD) is True
-    doc = (ROOT / "docs" / "real-model.md").read_text()
+    doc = DOC.read_text()
     assert f"micro-batches of at most {JOB_MICRO_BATCH} rows with activation checkpointing" in doc
     assert not make_run(build_parser().parse_args(["--no-activation-checkpointing"])).activation_checkpointing
 
@@ -154,7 +155,7 @@ def test_recorded_results_keep_their_keys():
 # ------------------------------------------------------------------------------------------------ the guard
 def documented_budget_gib() -> float:
     """The main job's memory budget as docs/real-model.md states it ("memory budget: N GiB")."""
-    match = re.search(r"memory budget: ([\d.]+) GiB", (ROOT / "docs" / "real-model.md").read_text())
+    match = re.search(r"memory budget: ([\d.]+) GiB", DOC.read_text())
     assert match, "docs/real-model.md states no memory budget"
     return float(match.group(1))
 

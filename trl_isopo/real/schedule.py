@@ -92,8 +92,9 @@ def rollout_config(config_cls, output_dir: str, *, prompts: int, generations: in
     """A CPU-sized `config_cls` (GRPOConfig or a subclass): rollouts of `prompts` x `generations`,
     `steps_per_rollout` optimizer steps per rollout (`rollout_schedule`; the defaults give one micro-batch of the
     whole rollout and one step), `num_iterations=1` unless `fields` says otherwise, constant lr, float32, activation
-    checkpointing only if asked (TRL's configs default it to on), no saving or reporting. `fields` are the method's own settings (and any override); a
-    `gradient_accumulation_steps` among them splits the mini-batch unless `micro_batch` is given."""
+    checkpointing only if asked (TRL's configs default it to on), no saving or reporting. `fields` are the method's
+    own settings (and any override); a `gradient_accumulation_steps` among them splits the mini-batch unless
+    `micro_batch` is given."""
     from ..compat import CHECKPOINTING_FIELD  # imports transformers: only when a config is built
 
     fields = dict(fields)

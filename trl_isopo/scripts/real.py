@@ -71,7 +71,8 @@ def make_run(args) -> RealRun:
                   num_generations=generations, max_completion_length=args.max_completion_length,
                   eval_size=args.eval_size, eval_every=args.eval_every, seed=args.seed, model=args.model,
                   steps_per_rollout=args.steps_per_rollout, micro_batch=micro_batch,
-                  activation_checkpointing=args.activation_checkpointing, task=task_from_cli(args.task, args.task_config))
+                  activation_checkpointing=args.activation_checkpointing,
+                  task=task_from_cli(args.task, args.task_config))
     run.learning_rate = args.lr if args.lr is not None else (DEFAULTS.learning_rate if run.lora else 1e-5)
     if args.quick:
         run.steps = 2 * run.steps_per_rollout

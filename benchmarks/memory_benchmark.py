@@ -32,7 +32,6 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 1024**3
 GENERATIONS = 8  # completions per prompt (the job's default)
-PROMPTS = 4  # prompts per rollout (the job's default)
 
 
 def job_args(method: str, full: bool, micro_batch: int, args) -> list[str]:

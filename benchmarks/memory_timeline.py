@@ -40,7 +40,8 @@ import time
 
 from trl_isopo.cpu_alloc import malloc_stats
 
-PHASES = ("load / setup", "step (rest)", "generation", "rollout log-probs", "loss forward", "backward", "optimizer", "evaluation")
+PHASES = ("load / setup", "step (rest)", "generation", "rollout log-probs", "loss forward", "backward", "optimizer",
+          "evaluation")
 GIB = 1024**3
 
 
@@ -221,10 +222,10 @@ def run_job(real_args: list[str], interval: float) -> dict:
         done.set()
         thread.join()
         memory.finish()
+    thin = memory.samples[:: max(1, len(memory.samples) // 4000)]
     return {"args": real_args, "rc": rc, "wall_seconds": time.perf_counter() - t0, "peak_rss": peak_rss_bytes(),
-            "end": rss_parts(), "row_tokens": memory.row_tokens,
-            "cuda": memory.cuda, "phases": memory.stats,
-            "timeline": [(round(t, 3), rss, name) for t, rss, name in memory.samples[:: max(1, len(memory.samples) // 4000)]]}
+            "end": rss_parts(), "row_tokens": memory.row_tokens, "cuda": memory.cuda, "phases": memory.stats,
+            "timeline": [(round(t, 3), rss, name) for t, rss, name in thin]}
 
 
 def table(result: dict) -> str:
@@ -238,11 +239,12 @@ def table(result: dict) -> str:
         if not s["entries"]:
             continue
         mark = " <- peak" if s["peak_rss"] >= 0.99 * peak else ""
+        cuda_peak = f" {s['cuda_peak'] / GIB:>13.2f}" if cuda else ""
         lines.append(f"{name:<18} {s['seconds']:>8.1f} {s['entries']:>7} {s['peak_rss'] / GIB:>12.2f} "
-                     f"{s['max_rise'] / GIB:>12.2f} {s['peak_heap'] / GIB:>13.2f}" + (f" {s['cuda_peak'] / GIB:>13.2f}" if cuda else "") + mark)
+                     f"{s['max_rise'] / GIB:>12.2f} {s['peak_heap'] / GIB:>13.2f}{cuda_peak}{mark}")
     tokens = sorted(result["row_tokens"])
-    lines.append(f"process peak RSS (ru_maxrss) {peak / GIB:.2f} GiB, wall {result['wall_seconds']:.0f} s"
-                 + (f", rows of {tokens[len(tokens) // 2]} tokens (median padded prompt + completion)" if tokens else ""))
+    rows = f", rows of {tokens[len(tokens) // 2]} tokens (median padded prompt + completion)" if tokens else ""
+    lines.append(f"process peak RSS (ru_maxrss) {peak / GIB:.2f} GiB, wall {result['wall_seconds']:.0f} s{rows}")
     if result["end"]:
         lines.append("at the end, GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in result["end"].items()))
     return "\n".join(lines)

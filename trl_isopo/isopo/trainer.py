@@ -14,6 +14,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..entropy_bonus import entropy_bonus_enabled
+from ..vllm_cpu import apply_cpu_weight_sync
 from .checkpoint import load_isopo_state, save_isopo_state
 from .config import ISOPOConfig
 from .isopo_backward import ISOPOBackward, ISOPOSettings
@@ -108,6 +109,7 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
+        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
         fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
         zero_stage = self._zero_stage() if self.is_deepspeed_enabled else 0
         extra = (("an entropy bonus",) if entropy_bonus_enabled(args) else ()) + (

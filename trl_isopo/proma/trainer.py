@@ -19,6 +19,7 @@ from .backward import PROMABackward, PROMAMicroBatch
 from .config import PROMAConfig
 from .projection import projection_active, sketch_seed
 from ..isopo.surrogate import SurrogateLossMixin
+from ..vllm_cpu import apply_cpu_weight_sync
 
 logger = logging.get_logger(__name__)
 
@@ -92,6 +93,7 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
+        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
         problem = self._unsupported_setup()
         if problem:
             raise NotImplementedError(problem)

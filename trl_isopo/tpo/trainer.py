@@ -45,6 +45,7 @@ from trl.trainer.utils import (
 )
 
 from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
+from ..vllm_cpu import apply_cpu_weight_sync
 from .config import TPOConfig, tpo_unsupported_options
 from .grouping import check_whole_groups, gather_prompts, shuffle_groups, validate_group_batching
 from .metrics import TPOMetrics, target_sums
@@ -159,6 +160,7 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
+        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
         missing = [name for name in REQUIRED_STATE if not hasattr(self, name)]
         if missing:
             raise RuntimeError(f"TPOTrainer relies on GRPOTrainer attributes {missing}, missing in this TRL version.")

@@ -307,6 +307,7 @@ def _assert_chat_special_tokens(path, tokenizer):
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
     assert (tokenizer.bos_token, tokenizer.unk_token) == ("<|im_start|>", "<|endoftext|>")
     assert tokenizer.eos_token_id == tokenizer.pad_token_id == 2
+    assert not tokenizer.clean_up_tokenization_spaces  # no clean-up of the decoded text, whichever version saved it
     generation = GenerationConfig.from_pretrained(path)
     assert generation.eos_token_id == generation.pad_token_id == 2
     with open(os.path.join(path, "config.json")) as f:

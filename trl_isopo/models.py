@@ -167,6 +167,9 @@ def convert_gguf(gguf_file: str, out_dir: str) -> None:
     tokens = {attr: tokenizer.convert_ids_to_tokens(i) for attr, i in ids.items()}
     for attr, token in tokens.items():
         setattr(tokenizer, attr, token)
+    # Some versions (5.17) save `clean_up_tokenization_spaces=True`, which newer ones warn about on every load of a
+    # byte-level BPE tokenizer (and ignore); the chat model's text needs no clean-up.
+    tokenizer.clean_up_tokenization_spaces = False
     # The weights are now plain float32 tensors, but the model object still carries the GGUF quantizer, which
     # refuses to save: rebuild it from a config without `quantization_config` and copy the tensors over.
     config_dict = model.config.to_dict()

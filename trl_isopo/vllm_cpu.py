@@ -85,7 +85,7 @@ def cpu_sync_weights(generation) -> None:
 def apply_cpu_weight_sync(trainer) -> bool:
     """Install `cpu_sync_weights` on `trainer` (a `GRPOTrainer` or subclass) when it generates with a colocated vLLM
     on the CPU. Returns whether it was installed; idempotent. Server mode is left to TRL (the server's platform is
-    not this process's; on a CPU-only server TRL's weight transfer needs CUDA, see docs/grpo-config.md)."""
+    not this process's; on a CPU-only server TRL's weight transfer needs CUDA, see docs/vllm.md)."""
     generation = getattr(trainer, "vllm_generation", None)
     if not getattr(trainer, "use_vllm", False) or generation is None or generation.mode != "colocate":
         return False

@@ -162,3 +162,21 @@ def test_interval_coverage_benchmark_bootstrap_undercovers_at_few_seeds(capsys):
     assert boot < 0.85 and 0.92 < t < 0.98
     assert ic.main(["--draws", "20", "--seeds", "3", "--bootstrap", "100"]) == 0
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_vllm_generation_summary_drops_the_warm_up_step():
+    """benchmarks/vllm_generation.py needs vLLM to run (CI's vLLM venv has it; not run there, it is minutes of
+    timing); its summary, the medians after the first step and their ratios, is checked here on made-up records."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import vllm_generation
+    finally:
+        sys.path.pop(0)
+
+    def record(generator, steps, gens):
+        return {"method": "grpo", "generator": generator, "construct_seconds": 1.0, "step_seconds": steps,
+                "generation": [{"seconds": s, "mean_length": 10.0} for s in gens]}
+
+    text = vllm_generation.summarize([record("hf", [99.0, 10.0, 12.0, 14.0], [99.0, 4.0, 5.0, 6.0]),
+                                      record("vllm", [1.0, 20.0, 24.0, 28.0], [1.0, 2.0, 2.5, 3.0])])
+    assert "grpo: vLLM / HF step time 2.00x, generation 0.50x" in text

@@ -43,9 +43,9 @@ def tiny_chat_model(tmp_path_factory, smollm2_dir):
 
 def train_and_probe(model, out, method, lora=False):
     run_job("train", method, model, str(out), *(["--lora"] if lora else []))
-    run_job("probe", str(out / "model"), str(out / "fresh.json"))
     with open(out / "result.json") as f:
         result = json.load(f)
+    run_job("probe", str(out / "fresh.json"), *(s["dir"] for s in result["syncs"]))
     with open(out / "fresh.json") as f:
         result["fresh"] = json.load(f)["fresh"]
     return result
@@ -54,13 +54,15 @@ def train_and_probe(model, out, method, lora=False):
 def check_sync(result, installed_by_trainer):
     assert result["steps"] == 2 and len(result["losses"]) == 2
     # TRL syncs before each step's generation (steps 0 and 1), the job once more after step 2.
-    assert result["syncs"] == [0, 1, 2]
+    assert [s["step"] for s in result["syncs"]] == [0, 1, 2]
     assert result["installed_by_trainer"] is installed_by_trainer
-    fresh, synced, stale = result["fresh"], result["synced"], result["stale"]
-    assert len(fresh) > 10 and all(v < 0 for v in fresh)
-    assert synced == fresh  # bit-identical: the same weights reach vLLM's kernels by either route
-    gap = max(abs(a - b) for a, b in zip(stale, fresh))
-    assert gap > STALE_MIN_GAP, f"the control one sync behind is only {gap} nats away: the check cannot fail"
+    for k, (sync, fresh) in enumerate(zip(result["syncs"], result["fresh"], strict=True)):
+        assert len(fresh) > 10 and all(v < 0 for v in fresh)
+        # bit-identical: the trainer's weights at sync k reach vLLM's kernels as a fresh load of them does
+        assert sync["vllm"] == fresh, f"sync {k}"
+        if k:  # the control: had sync k been skipped, vLLM would still hold sync k-1's weights
+            gap = max(abs(a - b) for a, b in zip(result["syncs"][k - 1]["vllm"], fresh))
+            assert gap > STALE_MIN_GAP, f"sync {k}: one sync behind is only {gap} nats away, the check cannot fail"
 
 
 CASES = [("grpo", False), ("isopo", False), ("isopo", True), ("tpo", False), ("proma", False)]
@@ -69,8 +71,8 @@ CASES = [("grpo", False), ("isopo", False), ("isopo", True), ("tpo", False), ("p
 @pytest.mark.parametrize("method,lora", CASES, ids=[m + ("-lora" if lora else "") for m, lora in CASES])
 def test_trains_with_colocated_vllm_and_syncs_exactly(method, lora, tiny_chat_model, tmp_path):
     """GRPO (the control, the public `apply_cpu_weight_sync` applied by the job) and this package's trainers (which
-    apply it themselves) train 2 steps generating with vLLM; the synced vLLM equals a fresh one exactly, the
-    vLLM one sync behind does not."""
+    apply it themselves) train 2 steps generating with vLLM; after each of the 3 syncs the vLLM equals a fresh one
+    loaded from the trainer's weights of that moment exactly, and the vLLM one sync behind does not."""
     result = train_and_probe(tiny_chat_model, tmp_path, method, lora)
     check_sync(result, installed_by_trainer=method != "grpo")
 

@@ -2,13 +2,14 @@
 
     python tests/scripts/vllm_colocate.py model OUT --tokenizer DIR       a 2-layer tied Llama (random) with DIR's tokenizer
     python tests/scripts/vllm_colocate.py train METHOD MODEL OUT [--lora] [--no-apply]
-    python tests/scripts/vllm_colocate.py probe MODEL OUT                  a fresh vLLM's log-probs of the probe text
+    python tests/scripts/vllm_colocate.py probe OUT MODEL [MODEL ...]     fresh vLLMs' log-probs of the probe text
 
 `train` trains METHOD (a name from trl_isopo.methods, e.g. grpo, isopo, tpo, proma) for 2 optimizer steps with
-`use_vllm=True, vllm_mode="colocate"`, then writes OUT/result.json with the in-trainer vLLM's log-probs of the probe
-text twice: `stale` (synced before step 2's generation, so one step behind) and `synced` (after one more sync), and
-the trained weights (LoRA merged) to OUT/model, for `probe` to load into a fresh vLLM. The GRPO control installs the
-CPU sync with the public `apply_cpu_weight_sync`; this package's trainers install it themselves.
+`use_vllm=True, vllm_mode="colocate"`, and syncs once more after the last step. Right after each sync it records the
+in-trainer vLLM's log-probs of the probe text and saves the trainer's weights at that moment (LoRA merged) to
+OUT/sync-<k>; OUT/result.json lists them. `probe` loads each saved directory into a fresh vLLM (one after another in
+one process) and writes their log-probs of the probe. The GRPO control installs the CPU sync with the public
+`apply_cpu_weight_sync`; this package's trainers install it themselves.
 """
 
 from __future__ import annotations
@@ -92,34 +93,49 @@ def train(method: str, model: str, out: str, lora: bool, apply: bool) -> None:
     syncs = []
     sync = generation.sync_weights
 
-    def counted():
-        syncs.append(trainer.state.global_step)
+    def recorded():
         sync()
+        folder = os.path.join(out, f"sync-{len(syncs)}")
+        save_weights(trainer, folder)
+        syncs.append({"step": trainer.state.global_step, "vllm": probe_logprobs(generation.llm), "dir": folder})
 
-    generation.sync_weights = counted
+    generation.sync_weights = recorded
     trainer.train()
-    stale = probe_logprobs(generation.llm)  # weights as of the last sync: before step 2's update
-    generation.sync_weights()
-    synced = probe_logprobs(generation.llm)
-    trained = trainer.model.merge_and_unload() if lora else trainer.model
-    trained.save_pretrained(os.path.join(out, "model"))
-    trainer.processing_class.save_pretrained(os.path.join(out, "model"))
+    generation.sync_weights()  # the weights after the last step
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"method": method, "lora": lora, "steps": trainer.state.global_step, "syncs": syncs,
-                   "installed_by_trainer": installed_by_trainer, "losses": losses, "stale": stale, "synced": synced}, f)
+                   "installed_by_trainer": installed_by_trainer, "losses": losses}, f)
 
 
-def probe(model: str, out: str) -> None:
-    """A fresh vLLM built as TRL builds its colocated one (same dtype, lengths, logprobs mode)."""
+def save_weights(trainer, folder: str) -> None:
+    """The trainer's current weights as a plain model directory (a LoRA adapter merged into a copy)."""
+    import copy
+
+    model = trainer.model
+    if hasattr(model, "merge_and_unload"):
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(folder)
+    trainer.processing_class.save_pretrained(folder)
+
+
+def probe(models: list[str], out: str) -> None:
+    """Fresh vLLMs built as TRL builds its colocated one (same dtype, lengths, logprobs mode), one per directory."""
+    import gc
+
     from vllm import LLM
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
-    llm = LLM(model=model, max_model_len=256, gpu_memory_utilization=0.1, distributed_executor_backend="external_launcher",
-              seed=0, max_num_batched_tokens=4096, logprobs_mode="processed_logprobs")
+    fresh = []
+    for model in models:
+        llm = LLM(model=model, max_model_len=256, gpu_memory_utilization=0.1, seed=0, max_num_batched_tokens=4096,
+                  distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
+        fresh.append(probe_logprobs(llm))
+        del llm
+        gc.collect()
     with open(out, "w") as f:
-        json.dump({"fresh": probe_logprobs(llm)}, f)
+        json.dump({"fresh": fresh}, f)
 
 
 def main(argv=None) -> None:
@@ -135,8 +151,8 @@ def main(argv=None) -> None:
     t.add_argument("--lora", action="store_true")
     t.add_argument("--no-apply", dest="apply", action="store_false")
     p = sub.add_parser("probe")
-    p.add_argument("model")
     p.add_argument("out")
+    p.add_argument("models", nargs="+")
     a = parser.parse_args(argv)
     _env()
     if a.cmd == "model":
@@ -144,7 +160,7 @@ def main(argv=None) -> None:
     elif a.cmd == "train":
         train(a.method, a.model, a.out, a.lora, a.apply)
     else:
-        probe(a.model, a.out)
+        probe(a.models, a.out)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,7 @@ def child(method_name: str, generator: str, out: str, steps: int, threads: int) 
 
     from trl_isopo.methods import get_method
     from trl_isopo.models import resolve_model_name_or_path
-    from trl_isopo.real.run import LORA_TARGETS
-    from trl_isopo.real.schedule import rollout_config
+    from trl_isopo.real.run import _config, lora_config
     from trl_isopo.real.task import make_reward, make_splits
     from trl_isopo.scripts.real import build_parser, make_run
     from trl_isopo.tiny import set_offline_env
@@ -64,21 +63,11 @@ def child(method_name: str, generator: str, out: str, steps: int, threads: int) 
     path = resolve_model_name_or_path(run.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    from peft import LoraConfig
-
-    peft_config = LoraConfig(r=run.lora_r, lora_alpha=2 * run.lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                             task_type="CAUSAL_LM")
     vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=512, vllm_gpu_memory_utilization=0.1)
-    config = rollout_config(
-        method.config_cls, os.path.join(os.path.dirname(out), "run"), prompts=run.prompts_per_rollout,
-        generations=run.num_generations, max_completion_length=run.max_completion_length,
-        temperature=run.temperature, learning_rate=run.learning_rate, max_steps=steps, seed=run.seed,
-        micro_batch=run.micro_batch, activation_checkpointing=run.activation_checkpointing,
-        **{**method.fields, "num_iterations": 1, **(vllm if generator == "vllm" else {})},
-    )
+    config = _config(run, os.path.join(os.path.dirname(out), "run"), False, **(vllm if generator == "vllm" else {}))
     t0 = time.perf_counter()
     trainer = method.trainer_cls(model=model, reward_funcs=make_reward(train_proc), args=config, train_dataset=train,
-                                 processing_class=tokenizer, peft_config=peft_config)
+                                 processing_class=tokenizer, peft_config=lora_config(run))
     apply_cpu_weight_sync(trainer)  # GRPOTrainer needs it on the CPU; this package's trainers have it already
     construct = time.perf_counter() - t0
     steps_log, generation = [], []

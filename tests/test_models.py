@@ -61,10 +61,6 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def _write_complete(folder, body="cached"):
-    _write_files(folder, body)
-
-
 def test_cache_root(monkeypatch, tmp_path):
     monkeypatch.setenv("TRL_ISOPO_CACHE", str(tmp_path / "a"))
     assert models.cache_root() == str(tmp_path / "a")
@@ -95,7 +91,7 @@ def test_alias_resolution(cache, monkeypatch, tmp_path):
 
 
 def test_complete_directory_is_reused_without_conversion(cache, monkeypatch):
-    _write_complete(cache / SMOLLM2_DIRNAME)
+    _write_files(cache / SMOLLM2_DIRNAME, "cached")
 
     def boom(*args):
         raise AssertionError("must not convert")
@@ -258,7 +254,7 @@ def test_train_script_resolves_the_alias(cache, monkeypatch):
     from trl_isopo.scripts import train as train_script
     from trl_isopo.scripts import train_args
 
-    _write_complete(cache / SMOLLM2_DIRNAME)
+    _write_files(cache / SMOLLM2_DIRNAME, "cached")
     target = str(cache / SMOLLM2_DIRNAME)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cpu = [] if torch.cuda.is_available() else ["--use_cpu", "true"]

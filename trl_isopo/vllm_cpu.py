@@ -75,8 +75,7 @@ def cpu_sync_weights(generation) -> None:
     if generation.enable_sleep_mode:  # as TRL does: the weights must be mapped before they are written
         generation.llm.wake_up(tags=["weights"])
         generation._llm_weights_sleeping = False
-    runner = _model_runner(generation)
-    _check_reload_api(runner)
+    runner = _model_runner(generation)  # its reload path was checked when the sync was installed
     runner.reload_weights(weights_iterator=generation._iter_named_params(), is_checkpoint_format=True)
     _repack_tied_heads(runner.get_model())
     generation.llm.reset_prefix_cache()

@@ -101,7 +101,8 @@ class RealRun:
         return key
 
 
-def _config(run: RealRun, output_dir: str, progress: bool):
+def _config(run: RealRun, output_dir: str, progress: bool, **extra):
+    """The run's trainer config; `extra` fields (e.g. vLLM generation for a benchmark) are added on top."""
     method = get_method(run.method)
     # no model_init_kwargs: the model is passed instantiated (TRL would print that it ignores them)
     return rollout_config(
@@ -110,8 +111,18 @@ def _config(run: RealRun, output_dir: str, progress: bool):
         learning_rate=run.learning_rate, max_steps=run.steps, seed=run.seed, progress=progress,
         steps_per_rollout=run.steps_per_rollout, micro_batch=run.micro_batch,
         activation_checkpointing=run.activation_checkpointing,
-        **{**method.fields, "num_iterations": run.num_iterations},
+        **{**method.fields, "num_iterations": run.num_iterations, **extra},
     )
+
+
+def lora_config(run: RealRun):
+    """The run's LoRA adapter (None for full weights): rank `lora_r`, alpha 2 x rank, every linear of the blocks."""
+    if not run.lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=run.lora_r, lora_alpha=2 * run.lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                      task_type="CAUSAL_LM")
 
 
 class _Evaluator:
@@ -270,12 +281,7 @@ def train_real(run: RealRun, output_dir: str, progress: bool = True, on_event=No
     if on_event:
         on_event("eval", base)
 
-    peft_config = None
-    if run.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=run.lora_r, lora_alpha=2 * run.lora_r, lora_dropout=0.0,
-                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    peft_config = lora_config(run)
     step_times, rewards = [], []
     clock = _TrainClock(evaluator)
     with warnings.catch_warnings():

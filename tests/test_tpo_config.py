@@ -162,13 +162,3 @@ def test_trainer_rejects_bad_args(tiny_model_dir, tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="epsilon"):
         TPOTrainer(tiny_model_dir, tiny_reward, args=args, **common)
 
-
-def test_trl_hook_check(monkeypatch):
-    from trl import GRPOTrainer
-
-    from trl_isopo.tpo.trl_hooks import check_trl_hooks
-
-    check_trl_hooks()
-    monkeypatch.delattr(GRPOTrainer, "_calculate_rewards")
-    with pytest.raises(RuntimeError, match="_calculate_rewards"):
-        check_trl_hooks()

@@ -8,13 +8,15 @@ policy over the tokens the policy loss acts on (completion tokens, times the hig
 micro-batches and processes, token-weighted) is <= `entropy_target`, and c moves by `entropy_coef_delta` within
 [`entropy_coef_min`, `entropy_coef_max`] at each optimizer step (up below the target, down above it).
 
-The controller's state stays on the trainer, in GRPOTrainer's own attributes (`entropy_coef`, `_last_world_entropy`,
-`_entropy_window_stats`), so GRPOTrainer's checkpoint saving and resuming of that state keep working.
+The controller's state stays on the trainer where GRPOTrainer keeps it (`entropy_coef` and the state behind
+`compat.entropy_controller_state`), so GRPOTrainer's checkpoint saving and resuming of that state keep working.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .compat import entropy_controller_state, set_entropy_controller_state
 
 __all__ = ["entropy_bonus_enabled", "entropy_bonus_term"]
 
@@ -31,7 +33,7 @@ def entropy_bonus_term(trainer, entropies: torch.Tensor, mask: torch.Tensor, mod
 
     Args:
         trainer: a GRPOTrainer subclass (reads `args`, `accelerator`, `current_gradient_accumulation_steps`,
-            `_metrics`; updates the controller attributes named in the module docstring).
+            `_metrics`; updates the controller state named in the module docstring).
         entropies: `(B, T)` per-token entropies of the policy, differentiable.
         mask: `(B, T)` the tokens the bonus acts on (0/1 or bool).
         mode: "train" or "eval" (eval neither accumulates nor updates the controller).
@@ -46,22 +48,22 @@ def entropy_bonus_term(trainer, entropies: torch.Tensor, mask: torch.Tensor, mod
     # The coefficient and gate fixed at the end of the previous optimizer step: every micro-batch of this step
     # applies the same bonus.
     coef = trainer.entropy_coef
-    if args.use_adaptive_entropy and trainer._last_world_entropy > args.entropy_target:
+    last_world_entropy, window = entropy_controller_state(trainer)
+    if args.use_adaptive_entropy and last_world_entropy > args.entropy_target:
         coef = 0.0
     term = -coef * mean_entropy / accumulation
     if args.use_adaptive_entropy and mode == "train":
         stats = torch.stack([(entropies * m).sum(), m.sum()]).detach()
-        window = trainer._entropy_window_stats
-        trainer._entropy_window_stats = stats if window is None else window + stats
+        window = stats if window is None else window + stats
         if trainer.accelerator.sync_gradients:
-            total = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+            total = trainer.accelerator.reduce(window, reduction="sum")
             world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
             if world_entropy <= args.entropy_target:
                 trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
             else:
                 trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
-            trainer._last_world_entropy = world_entropy
-            trainer._entropy_window_stats = None
+            last_world_entropy, window = world_entropy, None
+        set_entropy_controller_state(trainer, last_world_entropy, window)
     if mode == "train" and trainer.accelerator.sync_gradients:
         trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
     return term

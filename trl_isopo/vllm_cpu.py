@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import types
 
+from .compat import mark_vllm_weights_awake, vllm_sync_weights_iter
+
 # vLLM versions on which the route was run and checked (the sync-equality test in tests/test_vllm_colocate.py).
 TESTED_VLLM_VERSIONS = ("0.31.0",)
 
@@ -69,14 +71,14 @@ def _repack_tied_heads(model) -> int:
 def cpu_sync_weights(generation) -> None:
     """Push the trainer's current weights into TRL's colocated CPU vLLM (`trl.generation.VLLMGeneration`).
 
-    Same inputs as TRL's own `sync_weights` (its `_iter_named_params`: names fixed for vLLM, LoRA merged, gathered
-    under ZeRO-3 / FSDP); every process iterates, as TRL's gathering requires.
+    Same inputs as TRL's own `sync_weights` (`compat.vllm_sync_weights_iter`: names fixed for vLLM, LoRA merged,
+    gathered under ZeRO-3 / FSDP); every process iterates, as TRL's gathering requires.
     """
     if generation.enable_sleep_mode:  # as TRL does: the weights must be mapped before they are written
         generation.llm.wake_up(tags=["weights"])
-        generation._llm_weights_sleeping = False
+        mark_vllm_weights_awake(generation)
     runner = _model_runner(generation)  # its reload path was checked when the sync was installed
-    runner.reload_weights(weights_iterator=generation._iter_named_params(), is_checkpoint_format=True)
+    runner.reload_weights(weights_iterator=vllm_sync_weights_iter(generation), is_checkpoint_format=True)
     _repack_tied_heads(runner.get_model())
     generation.llm.reset_prefix_cache()
 

@@ -23,6 +23,7 @@ import torch
 
 from transformers.utils import logging
 
+from ..compat import OldLogpsSkip
 from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
 from .kl import KLGradients, k3_per_token
 from .micro_batch import MicroBatch
@@ -44,7 +45,7 @@ class SurrogateLossMixin:
         self._surrogate_window = None
         self._surrogate_kl = KLGradients()
         self._surrogate_logps = self._surrogate_entropies = self._surrogate_aux = None
-        self._surrogate_skip_old_logps = False
+        self._surrogate_old_logps_skip = OldLogpsSkip()
 
     # ------------------------------------------------------------------------------------------- subclass hooks
     def _make_micro_batch(self, inputs, mask, advantages, normalizer) -> MicroBatch:
@@ -184,26 +185,12 @@ class SurrogateLossMixin:
     # ------------------------------------------------------------------------------------- rollout log-probs
     def _generate_and_score_completions(self, inputs):
         """GRPO's rollout without the no-grad forward for `old_per_token_logps` when nothing reads them."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        # TRL 1.16 runs that forward exactly when this holds (vLLM's importance-sampling correction is refused by
-        # the config); the flag is consumed by the first policy forward without gradients, which is that one.
-        self._surrogate_skip_old_logps = (
-            self.args.gradient_accumulation_steps % generate_every != 0 and not self._needs_old_logps()
-        )
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            missed, self._surrogate_skip_old_logps = self._surrogate_skip_old_logps, False
-        if missed:
-            raise RuntimeError(
-                f"{type(self).__name__} expected GRPOTrainer to compute old_per_token_logps in this rollout and it did "
-                "not: this TRL version is not supported by trl-isopo."
-            )
-        return output
+        with self._surrogate_old_logps_skip.rollout(self, wanted=self._needs_old_logps()):
+            return super()._generate_and_score_completions(inputs)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        if getattr(self, "_surrogate_skip_old_logps", False) and model is self.model and not torch.is_grad_enabled():
-            self._surrogate_skip_old_logps = False
+        skip = getattr(self, "_surrogate_old_logps_skip", None)  # None while GRPOTrainer.__init__ runs
+        if skip is not None and skip.take(self, model):
             return None, None, None  # old_per_token_logps = None: the loss then uses sg(log pi), ratio 1
         out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         self._surrogate_logps, self._surrogate_entropies, self._surrogate_aux = out

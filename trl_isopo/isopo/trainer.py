@@ -13,6 +13,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
+from ..compat import check_grpo_hooks, check_grpo_state
 from ..entropy_bonus import entropy_bonus_enabled
 from ..vllm_cpu import apply_cpu_weight_sync
 from .checkpoint import load_isopo_state, save_isopo_state
@@ -26,14 +27,6 @@ from .surrogate import SurrogateLossMixin
 
 logger = logging.get_logger(__name__)
 
-# GRPOTrainer internals this class relies on; checked at construction so a TRL upgrade fails loudly.
-_REQUIRED_HOOKS = (
-    "_compute_loss",
-    "_generate_and_score_completions",
-    "_get_per_token_logps_and_entropies",
-    "_save_optimizer_and_scheduler",
-    "_load_optimizer_and_scheduler",
-)
 # The "ISOPO has become REINFORCE" warning: isopo/scale_spread (mean coefficient of variation of the per-sequence
 # scales) below SPREAD_WARN_THRESHOLD for SPREAD_WARN_STEPS consecutive optimizer steps; repeated at most every
 # SPREAD_WARN_EVERY steps while it lasts.
@@ -102,13 +95,12 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
             args = ISOPOConfig(f"{model_name.split('/')[-1]}-ISOPO")
         if not isinstance(args, ISOPOConfig):
             raise TypeError(f"ISOPOTrainer needs an ISOPOConfig, got {type(args).__name__}")
-        for hook in _REQUIRED_HOOKS:
-            if not callable(getattr(GRPOTrainer, hook, None)):
-                raise RuntimeError(f"GRPOTrainer.{hook} is missing: this TRL version is not supported by trl-isopo")
+        check_grpo_hooks("ISOPOTrainer")
         super().__init__(
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
+        check_grpo_state(self)
         apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
         fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
         zero_stage = self._zero_stage() if self.is_deepspeed_enabled else 0

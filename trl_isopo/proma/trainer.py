@@ -12,9 +12,9 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
+from ..compat import check_grpo_hooks, check_grpo_state
 from ..isopo.install import install_isopo
 from ..isopo.support import unsupported_sharding
-from ..isopo.trainer import _REQUIRED_HOOKS
 from .backward import PROMABackward, PROMAMicroBatch
 from .config import PROMAConfig
 from .projection import projection_active, sketch_seed
@@ -80,9 +80,7 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
             args = PROMAConfig(f"{model_name.split('/')[-1]}-PROMA")
         if not isinstance(args, PROMAConfig):
             raise TypeError(f"PROMATrainer needs a PROMAConfig, got {type(args).__name__}")
-        for hook in _REQUIRED_HOOKS:
-            if not callable(getattr(GRPOTrainer, hook, None)):
-                raise RuntimeError(f"GRPOTrainer.{hook} is missing: this TRL version is not supported by trl-isopo")
+        check_grpo_hooks("PROMATrainer")
         if args.proma_lm_head:
             raise NotImplementedError(
                 "proma_lm_head=True is not implemented yet: the LM head's gradient is formed inside TRL's fused "
@@ -93,6 +91,7 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
             model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
+        check_grpo_state(self)
         apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
         problem = self._unsupported_setup()
         if problem:

@@ -8,7 +8,7 @@ What changes w.r.t. GRPOTrainer (everything else, generation, rewards, vLLM, PEF
 - `_generate_and_score_completions` (via super): adds the raw per-row score `tpo_scores` (B,) and, unless the policy
   cannot move before the loss sees the batch (below), `old_per_token_logps` when TRL skipped them (always the training
   model, never sampling log-probs) and the frozen per-row target `tpo_targets` (B,) and `tpo_valid_mask` (B,).
-- `_prepare_inputs`: TRL's ~15 lines with a whole-group shuffle instead of the row shuffle.
+- `_prepare_inputs`: TRL's buffering (`compat.buffered_inputs`) with a whole-group shuffle instead of the row shuffle.
 - `_compute_loss`: mean over groups of -sum_i q_i log softmax_K(l_theta)_i, divided by the gradient accumulation steps.
 
 Split groups (`per_device_train_batch_size % K != 0`, allowed when every use of a generation batch lies inside one
@@ -36,14 +36,9 @@ import torch
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import (
-    get_config_model_id,
-    shuffle_sequence_dict,
-    split_pixel_values_by_grid,
-    split_tensor_dict,
-    unsplit_pixel_values_by_grid,
-)
+from trl.trainer.utils import get_config_model_id, shuffle_sequence_dict
 
+from ..compat import FORWARD_KEYS, buffered_inputs, check_grpo_hooks, check_grpo_state
 from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
 from ..vllm_cpu import apply_cpu_weight_sync
 from .config import TPOConfig, tpo_unsupported_options
@@ -52,7 +47,6 @@ from .metrics import TPOMetrics, target_sums
 from .scores import batch_population_std, combine_rewards, scores_to_u
 from .split import SplitGroupsMixin, member_loss
 from .target import sequence_logps, tpo_group_stats, tpo_loss, tpo_target
-from .trl_hooks import FORWARD_KEYS, REQUIRED_STATE, check_trl_hooks
 
 __all__ = ["TPOTrainer"]
 
@@ -132,7 +126,7 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
         environment_factory=None,
     ):
         # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        check_trl_hooks()
+        check_grpo_hooks("TPOTrainer")
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = TPOConfig(f"{model_name.split('/')[-1]}-TPO")
@@ -161,9 +155,7 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
             callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
         )
         apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
-        missing = [name for name in REQUIRED_STATE if not hasattr(self, name)]
-        if missing:
-            raise RuntimeError(f"TPOTrainer relies on GRPOTrainer attributes {missing}, missing in this TRL version.")
+        check_grpo_state(self)
 
     # ------------------------------------------------------------------ the shared forward
     def _tpo_forward(self, model, inputs, compute_entropy=False, compute_aux_loss=False, batch_size=None):
@@ -298,30 +290,23 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
     # ------------------------------------------------------------------ whole-group micro-batches
     @profiling_decorator
     def _prepare_inputs(self, generation_batch):
-        # GRPOTrainer._prepare_inputs (TRL 1.16) with the row shuffle replaced by a whole-group shuffle, so that each
-        # of the `steps_per_generation` contiguous micro-batches (per_device_train_batch_size rows, a multiple of K)
-        # holds whole groups.
-        mode = "train" if self.model.training else "eval"
-        if mode == "train":
-            generate_every = self.args.steps_per_generation * self.num_iterations
-            if self._step % generate_every == 0 or self._buffered_inputs is None:
-                generation_batch = self._generate_and_score_completions(generation_batch)
-                generation_batch = split_pixel_values_by_grid(generation_batch)
-                if self._tpo_splits_groups(mode):  # rows carry their own loss coefficients: TRL's row shuffle
-                    generation_batch = shuffle_sequence_dict(generation_batch)
-                else:
-                    generation_batch = shuffle_groups(generation_batch, self.num_generations)
-                generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
-                self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in generation_batches]
-                self._tpo_coef_step = self.state.global_step
-            elif self._tpo_splits_groups(mode) and self._tpo_coef_step != self.state.global_step:
-                # A reuse (num_iterations > 1) after the parameters moved: coefficients at the current parameters.
-                self._tpo_refresh_coefficients(self._buffered_inputs)
-                self._tpo_coef_step = self.state.global_step
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        else:
-            inputs = self._generate_and_score_completions(generation_batch)
-        return inputs
+        # GRPOTrainer's buffering with the row shuffle replaced by a whole-group shuffle, so that each of the
+        # `steps_per_generation` contiguous micro-batches (per_device_train_batch_size rows, a multiple of K) holds
+        # whole groups; split groups' rows carry their own loss coefficients and keep TRL's row shuffle.
+        return buffered_inputs(self, generation_batch, self._tpo_shuffle, self._tpo_on_buffer)
+
+    def _tpo_shuffle(self, batch):
+        if self._tpo_splits_groups("train"):
+            return shuffle_sequence_dict(batch)
+        return shuffle_groups(batch, self.num_generations)
+
+    def _tpo_on_buffer(self, buffer, fresh):
+        if fresh:
+            self._tpo_coef_step = self.state.global_step
+        elif self._tpo_splits_groups("train") and self._tpo_coef_step != self.state.global_step:
+            # A reuse (num_iterations > 1) after the parameters moved: coefficients at the current parameters.
+            self._tpo_refresh_coefficients(buffer)
+            self._tpo_coef_step = self.state.global_step
 
     # ------------------------------------------------------------------ loss
     @profiling_decorator

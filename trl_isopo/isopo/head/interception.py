@@ -1,8 +1,8 @@
 """The installed backward's hook into TRL's fused LM-head log-prob kernel.
 
-Why a module global is replaced: TRL 1.16's `_fused_forward` (trl/trainer/utils.py) looks the kernel up as the module
-attribute `trl.trainer.utils._ChunkedLogProbFunction` at every call and reads `lm_head.weight` inside it, so the head's
-weight gradient cannot be reached through the head module. `FusedHeadInterception` is that attribute while a backward
+Why a process-wide kernel is replaced: TRL's fused head forward looks its kernel up at every call and reads
+`lm_head.weight` inside it, so the head's weight gradient cannot be reached through the head module
+(`compat.logprob_kernel`). `FusedHeadInterception` is that kernel while a backward
 object is installed (`backward.LayerBackward.install(..., head_mode=...)`), and is removed with it. It is a
 pass-through to the kernel it replaced for every call that is not inside its owner's micro-batch window with
 gradients on a trainable head (reference-model and no-grad forwards, other trainers' windows); inside, it runs
@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from ... import compat
 from .kernel import RowScaledChunkedLogProb
 from .rows import head_row_values
 
@@ -38,7 +39,7 @@ class RowValues:
 
 
 class FusedHeadInterception:
-    """Stand-in for `trl.trainer.utils._ChunkedLogProbFunction` (TRL only calls `.apply`); see the module docstring."""
+    """Stand-in for TRL's fused head kernel (TRL only calls `.apply`); see the module docstring."""
 
     def __init__(self, owner, mode: str, name: str = "lm_head"):
         if mode not in HEAD_MODES:
@@ -48,18 +49,14 @@ class FusedHeadInterception:
         self.original = None  # the kernel this one replaced (set by `install`)
 
     def install(self) -> None:
-        import trl.trainer.utils as trl_utils
-
-        self.original = trl_utils._ChunkedLogProbFunction
-        trl_utils._ChunkedLogProbFunction = self
+        self.original = compat.logprob_kernel()
+        compat.set_logprob_kernel(self)
 
     def remove(self) -> None:
         """Restore the replaced kernel if this is still the installed one; else (a later interception sits on top)
         stay in the chain as a pass-through."""
-        import trl.trainer.utils as trl_utils
-
-        if trl_utils._ChunkedLogProbFunction is self:
-            trl_utils._ChunkedLogProbFunction = self.original
+        if compat.logprob_kernel() is self:
+            compat.set_logprob_kernel(self.original)
         self._owner = lambda: None
 
     def apply(self, hidden, weight, bias, targets, *rest):

@@ -22,8 +22,8 @@ averages over more zero rows; the exact estimate, `isopo_fisher_tokens=0`, is th
 from __future__ import annotations
 
 import torch
-import trl.kernels.chunked_logprob as trl_kernel
 
+from ...compat import FOLD_BLOCK_COLUMNS
 from ..costs import route_costs, statistics_cost
 from ..layer import isopo_coefficients
 from ..precision import stat_dtype
@@ -95,7 +95,7 @@ def head_statistics(
             tile.add_(bias[v0:v1].to(compute_dtype))
         tile_fold(dev, B * C, v1 - v0)(tile, tile.stride(0), pick["targets"], pick["log_z"], pick["ent"],
              gl if gl is not None else pick["log_z"], ge if ge is not None else pick["log_z"], v0, v1 - v0,
-             HAS_LOGPROB_GRAD=gl is not None, HAS_ENTROPY_GRAD=ge is not None, BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
+             HAS_LOGPROB_GRAD=gl is not None, HAS_ENTROPY_GRAD=ge is not None, BLOCK_SIZE=FOLD_BLOCK_COLUMNS,
              **kernel_args)  # fmt: skip
         G = operand(tile.view(B, C, -1))
         GJ = gather_rows(G, sample, None, "GJ") if S else None

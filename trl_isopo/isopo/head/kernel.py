@@ -21,7 +21,8 @@ operations per element in the same order, written as in-place passes over the ti
 tile-sized temporaries per tile; on the real model's 49k-token vocabulary that cost an ISOPO step ~10 s, measured).
 With row_scale = 1 every output and gradient is bit-identical to TRL's; `tests/test_isopo_fused_head.py` checks this
 and the scaled gradients against TRL called with scaled incoming gradients and a dense float64 reference. TRL is
-pinned to 1.16.x, whose kernel exposes these pieces; a TRL without them fails at import with the names it lacks.
+pinned to 1.16.x, whose kernel exposes these pieces (`trl_isopo.compat`); a TRL without them fails at import with the
+names it lacks.
 
 Row scaling applies to the whole per-row gradient, i.e. also to the entropy term when the loss uses the entropy.
 `row_scale` may also be a provider called in backward (`interception.RowValues`, `isopo.ISOPOHead`); one that returns
@@ -31,19 +32,20 @@ None (its backward object is in plain mode: ISOPO's KL term) leaves the rows uns
 from __future__ import annotations
 
 import torch
-import trl.kernels.chunked_logprob as trl_kernel
 
-_NEEDED = ("ChunkedLogProbFunction", "_backward_kernel", "_backward_tile", "_use_triton", "_addmm_fp32", "_BLOCK_SIZE")
-_missing = [name for name in _NEEDED if not hasattr(trl_kernel, name)]
-if _missing:  # pragma: no cover - only with an unsupported TRL
-    raise ImportError(f"trl.kernels.chunked_logprob lacks {_missing}: trl-isopo needs TRL 1.16.x (pip install 'trl~=1.16.0')")
-
-_addmm_fp32 = trl_kernel._addmm_fp32  # acc (fp32) += a @ b, without rounding the product to a half dtype first
+from ...compat import (
+    FOLD_BLOCK_COLUMNS,
+    TOKEN_CHUNK_SIZE,
+    ChunkedLogProbFunction,
+    addmm_fp32,
+    maybe_gather_lm_head_ctx,
+    triton_tile_fold,
+)
 
 
 def backward_tile_inplace(tile, tile_stride, targets, log_z, entropy, grad_logprobs, grad_entropy, vocab_start, n_cols,
                           logit_scale, softcap, inv_t, HAS_SOFTCAP, HAS_LOGPROB_GRAD, HAS_ENTROPY_GRAD, BLOCK_SIZE):
-    """TRL's `_backward_tile` (same signature and result, bit for bit): overwrite the raw logits tile [n, c] with
+    """TRL's torch tile fold (same signature and result, bit for bit): overwrite the raw logits tile [n, c] with
     d loss / d logits (loss = sum(grad_logprobs * logprobs + grad_entropy * entropy)), as in-place float32 passes over
     at most two tile-sized buffers. Multiplications by exactly 1.0 are skipped (exact)."""
     x = tile.float()  # the tile itself when it is float32
@@ -80,9 +82,7 @@ def backward_tile_inplace(tile, tile_stride, targets, log_z, entropy, grad_logpr
 
 def tile_fold(device: torch.device, n_rows: int, n_cols: int):
     """The backward fold for one [n_rows, n_cols] tile: TRL's Triton kernel where TRL uses it, else the in-place one."""
-    if trl_kernel._use_triton(device):
-        return trl_kernel._backward_kernel[(n_rows, -(-n_cols // trl_kernel._BLOCK_SIZE))]
-    return backward_tile_inplace
+    return triton_tile_fold(device, n_rows, n_cols) or backward_tile_inplace
 
 
 class _RecordingContext:
@@ -122,7 +122,7 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
         elif row_scale.shape != (hidden.shape[0],):
             raise ValueError(f"row_scale must have shape ({hidden.shape[0]},), got {tuple(row_scale.shape)}")
         rec = _RecordingContext(ctx)
-        out = trl_kernel.ChunkedLogProbFunction.forward(rec, hidden, weight, bias, targets, *trl_args)
+        out = ChunkedLogProbFunction.forward(rec, hidden, weight, bias, targets, *trl_args)
         # TRL saves (hidden, weight, bias, targets, log_z, entropy or log_z) and sets these three attributes
         ctx.save_for_backward(*rec.saved, row_scale)
         ctx.compute_dtype, ctx.chunk_size, ctx.kernel_args = rec.compute_dtype, rec.chunk_size, rec.kernel_args
@@ -130,8 +130,6 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
-        from trl.trainer.utils import maybe_gather_lm_head_ctx  # ZeRO-3: the head is gathered again for the recompute
-
         hidden, weight, bias, targets, log_z, entropy, row_scale = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
@@ -145,7 +143,7 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
         gl = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         ge = grad_entropy.float().contiguous() if grad_entropy is not None else None
         N = hidden.shape[0]
-        with maybe_gather_lm_head_ctx(weight, bias):
+        with maybe_gather_lm_head_ctx(weight, bias):  # ZeRO-3: the head is gathered again for the recompute
             if ctx.provider is not None and (need_w or need_b):
                 scale = ctx.provider(hidden, weight, bias, targets, log_z, entropy, gl, ge, dt, ctx.kernel_args)
                 scale = None if scale is None else scale.to(device=dev, dtype=prod_dt)
@@ -153,7 +151,7 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
             grad_h = torch.zeros(hidden.shape, device=dev, dtype=f32) if need_h else None
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=f32) if need_w else None
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=f32) if need_b else None
-            step = trl_kernel.TOKEN_CHUNK_SIZE
+            step = TOKEN_CHUNK_SIZE
             buf = torch.empty((min(N, step), chunk), device=dev, dtype=dt)
             for t0 in range(0, N, step):
                 rows = slice(t0, min(t0 + step, N))
@@ -179,13 +177,13 @@ class RowScaledChunkedLogProb(torch.autograd.Function):
                         v1 - v0,
                         HAS_LOGPROB_GRAD=gl is not None,
                         HAS_ENTROPY_GRAD=ge is not None,
-                        BLOCK_SIZE=trl_kernel._BLOCK_SIZE,
+                        BLOCK_SIZE=FOLD_BLOCK_COLUMNS,
                         **ctx.kernel_args,
                     )
                     if need_h:
-                        _addmm_fp32(grad_h[rows], tile, w_chunk)
+                        addmm_fp32(grad_h[rows], tile, w_chunk)
                     if need_w:
-                        _addmm_fp32(grad_w[v0:v1], tile.t(), h_w)
+                        addmm_fp32(grad_w[v0:v1], tile.t(), h_w)
                     if need_b:
                         if scale is None:
                             grad_b[v0:v1] += tile.sum(dim=0, dtype=f32)

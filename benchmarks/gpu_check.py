@@ -253,7 +253,8 @@ def main(argv=None) -> int:
                         rec["status"], rec["returncode"] = "skipped", None
                         continue
                     bench = ["--shapes", shape, "--vocab", str(vocab), "--batch", str(args.batch), "--seq", str(seq),
-                             "--repeats", str(repeats), "--layer-repeats", "0", "--dtype", "bfloat16", "--tpo"]
+                             "--repeats", str(repeats), "--layer-repeats", "0", "--dtype", "bfloat16", "--tpo",
+                             "--variants", "p=-1,q=-1,interacting"]
                     run = run_benchmark("isopo_overhead.py", bench, "rows", min(limit, left), scratch)
                     rec["runs"][shape] = run
                     rec["rows"] += run.pop("rows", [])

@@ -23,14 +23,12 @@ import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
 from trl_isopo.isopo.head import ISOPOHead, RowScaledChunkedLogProb, head_row_values
-from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.isopo_backward import ISOPOBackward
 from trl_isopo.isopo.micro_batch import MicroBatch
 
-VARIANTS = {
-    "p=-1": dict(p=-1.0, q=0.0, r=0.0),
-    "q=-1": dict(p=0.0, q=-1.0, r=0.0),
-    "interacting": dict(p=-1.0, q=0.0, r=0.0, interacting=True),
-}
+from isopo_layer_costs import variant_settings  # same folder
+
+VARIANTS = ("p=-1", "q=-1", "interacting")  # isopo_layer_costs.VARIANTS' (c = 0; c changes no cost of the head)
 CHUNK = 4096  # TRL's default vocabulary chunk of the fused head
 
 
@@ -81,8 +79,8 @@ def main(argv=None):
     runs = {"TRL": step(ChunkedLogProbFunction)}
     runs["advantage-weighted"] = step(RowScaledChunkedLogProb, (head_row_values(N, mb, A).float(),))
     contexts = {}
-    for name, knobs in VARIANTS.items():
-        ctx = ISOPOBackward(ISOPOSettings(**knobs))
+    for name in VARIANTS:
+        ctx = ISOPOBackward(variant_settings(name))
         contexts[name] = ctx
         runs[f"ISOPO head {name}"] = step(RowScaledChunkedLogProb, (ISOPOHead(ctx, "lm_head", mb),))
     times = {k: [] for k in runs}

@@ -35,6 +35,27 @@ def interleaved_times(runs: dict, repeats: int) -> dict[str, list[float]]:
 # over the plain GEMM is the per-call dispatch (a few dozen small tensor ops and their Python glue).
 PROBE_WIDTH = 16
 
+# The ISOPO variants the overhead benchmarks time, as ISOPOConfig fields; every other field keeps its default (c = 0
+# unless the variant names it).
+VARIANTS = {
+    "p=-1": dict(isopo_p=-1.0),
+    "p=-1 c=1": dict(isopo_p=-1.0, isopo_reg=1.0),
+    "q=-1": dict(isopo_p=0.0, isopo_q=-1.0),
+    "interacting": dict(isopo_interacting=True),
+}
+
+
+def variant_settings(variant: str):
+    """What ISOPOTrainer runs for `variant`: `ISOPOConfig.isopo_settings()` of a config with the variant's fields (and
+    TrainingArguments' default seed, as the benchmarks' trainers)."""
+    import tempfile
+
+    from trl_isopo import ISOPOConfig
+
+    args = ISOPOConfig(output_dir=tempfile.gettempdir(), use_cpu=not torch.cuda.is_available(), report_to="none",
+                       **VARIANTS[variant])
+    return args.isopo_settings()
+
 
 def _layer_runs(mask, d_in, d_out, bias, variant_settings, mb, dtype=torch.float32) -> dict:
     """{"plain": autograd's weight (+ bias) gradient, variant: ISOPO's `layer_grads`}, callables on the same random

@@ -35,7 +35,15 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from isopo_layer_costs import PROBE_WIDTH, interleaved_times, layer_breakdown, profile_layer, sync  # noqa: E402  (same folder)
+from isopo_layer_costs import (  # noqa: E402  (same folder)
+    PROBE_WIDTH,
+    VARIANTS,
+    interleaved_times,
+    layer_breakdown,
+    profile_layer,
+    sync,
+    variant_settings,
+)
 
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv_heads, lora_r)
@@ -46,11 +54,6 @@ SHAPES = {
     # (benchmarks/gpu_check.py) with --vocab 151936; random weights.
     "qwen3-0.6b-lora": (1024, 3072, 28, 16, 8, 16),
     "qwen3-0.6b-full": (1024, 3072, 28, 16, 8, 0),
-}
-VARIANTS = {
-    "p=-1": dict(p=-1.0, q=0.0, r=0.0),
-    "q=-1": dict(p=0.0, q=-1.0, r=0.0),
-    "interacting": dict(p=-1.0, q=0.0, r=0.0, interacting=True),
 }
 
 
@@ -259,8 +262,6 @@ def main(argv=None):
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)],
                   env)
     torch.set_num_threads(args.threads)
-    from trl_isopo.isopo.isopo_backward import ISOPOSettings
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.profile_layer:
         d_in, d_out = (int(n) for n in args.profile_layer.split(","))
@@ -268,7 +269,7 @@ def main(argv=None):
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, B={args.batch} "
               f"T={args.seq}, malloc {args.malloc if device == 'cpu' else 'cuda caching'}")
-        profile_layer(mask, d_in, d_out, {v: ISOPOSettings(**VARIANTS[v]) for v in args.variants.split(",")})
+        profile_layer(mask, d_in, d_out, {v: variant_settings(v) for v in args.variants.split(",")})
         return 0
     print(f"# torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
           f"B={args.batch} T={args.seq} vocab={args.vocab}, dtype {args.dtype}, isopo_other_params={args.other_params}, "
@@ -278,22 +279,22 @@ def main(argv=None):
           "| extra GEMM MACs (M): counted / modelled = ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     breakdown = []
+    # Built before any trainer: a config made after one would reset accelerate's state under it.
+    settings = {v: variant_settings(v) for v in args.variants.split(",")}
     for shape in args.shapes.split(","):
         model, tokenizer, cfg, _ = build(shape, args.vocab, dtype=dtype)
         with tempfile.TemporaryDirectory() as tmp:
             plain, isopo = make_trainers(model, tokenizer, tmp, args.other_params)
             batch = make_batch(args.batch, args.seq, cfg.vocab_size, device)
-            base = isopo.isopo_backward.settings
             runs = {"grpo": step_fn(plain, batch, False)}
             tpo = make_tpo_trainer(model, tokenizer, tmp) if args.tpo else None
             if tpo is not None:
                 runs["tpo"] = tpo_step_fn(tpo, batch)
-            variant_settings, end_step_ms = {}, {}
-            for v in args.variants.split(","):
-                variant_settings[v] = ISOPOSettings(**{**base.__dict__, **VARIANTS[v]})
+            end_step_ms = {}
+            for v in settings:
                 end_step_ms[v] = []
 
-                def run_v(s=variant_settings[v], f=step_fn(isopo, batch, True, end_step_ms[v])):
+                def run_v(s=settings[v], f=step_fn(isopo, batch, True, end_step_ms[v])):
                     isopo.isopo_backward.settings = s
                     f()
 
@@ -302,9 +303,9 @@ def main(argv=None):
             mem = {} if args.no_memory else {k: peak_memory(f) for k, f in runs.items()}
             counted = {k: counted_macs(f) for k, f in runs.items()}
             valid = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-            for v in variant_settings:
+            for v in settings:
                 ratios = sorted(a / b for a, b in zip(times[v], times["grpo"]))
-                plain_macs, extra, gemm = analytic(isopo, cfg, args.batch, args.seq, valid, variant_settings[v])
+                plain_macs, extra, gemm = analytic(isopo, cfg, args.batch, args.seq, valid, settings[v])
                 floor = extra / plain_macs
                 ratio = min(times[v]) / min(times["grpo"])
                 q1, q3 = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
@@ -333,7 +334,7 @@ def main(argv=None):
             if args.layer_repeats > 0:
                 mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
                 breakdown += [f"| {shape} {r[2:]}" for r in
-                              layer_breakdown(isopo, mask, variant_settings, args.layer_repeats,
+                              layer_breakdown(isopo, mask, settings, args.layer_repeats,
                                               1e3 * min(times["grpo"]),
                                               {v: min(ts) for v, ts in end_step_ms.items() if ts})]
         del model, plain, isopo, tpo

@@ -11,7 +11,8 @@ import trl.trainer.utils as trl_utils
 
 from trl_isopo.isopo.backward import LayerBackward
 from trl_isopo.isopo.head import FusedHeadInterception
-from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.isopo_backward import ISOPOBackward
+from math_settings import isopo_settings
 from trl_isopo.isopo.micro_batch import MicroBatch
 
 
@@ -90,7 +91,7 @@ def test_window_checks_and_clears():
     """A covered layer without its backward in a window where others had theirs raises; the window's state is
     cleared on exit either way."""
     model, x, mask = model_and_batch(2)
-    backward = ISOPOBackward(ISOPOSettings(fisher_tokens=0))
+    backward = ISOPOBackward(isopo_settings(fisher_tokens=0))
     backward.install(model)
     mb = MicroBatch(mask=mask, advantages=torch.ones(4))
     with pytest.raises(RuntimeError, match=r"\['0'\].*used outside the module's own forward"):

@@ -25,7 +25,8 @@ from isopo_oracle import DEVICE, dense_weights, make_batch, make_trainer, per_se
 from peft import LoraConfig, get_peft_model
 
 from trl_isopo.isopo import costs, precision
-from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from trl_isopo.isopo.isopo_backward import ISOPOBackward
+from math_settings import isopo_settings
 from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
@@ -113,7 +114,7 @@ def test_layer_grads_half_operands_match_float64_oracle(dtype, shape, variant, r
     X, G = X64.to(dtype), G64.to(dtype)  # the layer's half inputs
     # "mat_chunked": a budget below V's size, so V is not kept and the final gradient is the row-scaled GEMM.
     budget = 512 if route == "mat_chunked" else costs.DEFAULT_BUDGET_BYTES
-    ctx = ISOPOBackward(ISOPOSettings(**knobs, route=route.split("_")[0], budget_bytes=budget, fisher_tokens=9,
+    ctx = ISOPOBackward(isopo_settings(**knobs, route=route.split("_")[0], budget_bytes=budget, fisher_tokens=9,
                                       force_half_operands=operands))
     mb = MicroBatch(mask=mask, advantages=A, seed=5)
     J = ctx.fisher_sample("layer", mb)  # the on-device sample the layer draws (deterministic per seed)
@@ -150,7 +151,7 @@ def test_cpu_bf16_final_gemm_has_autograd_precision(shape):
     X64, G64, mask, _ = random_layer(d_in, d_out, seed=11)
     pad = ~mask.unsqueeze(-1)
     X, G = X64.masked_fill(pad, 0.0).bfloat16(), G64.masked_fill(pad, 0.0).bfloat16()
-    ctx = ISOPOBackward(ISOPOSettings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0))
+    ctx = ISOPOBackward(isopo_settings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0))
     ctx.weight_override = lambda name, adv: torch.ones_like(adv)
     gw, _ = ctx.layer_grads("layer", X, G, MicroBatch(mask=mask, advantages=torch.ones(5, device=DEVICE)), False)
     want = torch.einsum("blo,bli->oi", G.double(), X.double())
@@ -166,7 +167,7 @@ def test_half_final_gemm_cannot_overflow_fp16():
     max|w| before the rounding to fp16 and the float32 result multiplied back, so the gradient stays finite."""
     X64, G64, mask, A = random_layer(40, 24, seed=3)  # G (24 wide) is the scaled operand
     X, G = X64.half(), (G64 * 10).half()
-    ctx = ISOPOBackward(ISOPOSettings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0, force_half_operands=True))
+    ctx = ISOPOBackward(isopo_settings(p=-1.0, reg=0.0, route="gram", fisher_tokens=0, force_half_operands=True))
     ctx.weight_override = lambda name, adv: adv * 1e6
     gw, _ = ctx.layer_grads("layer", X, G, MicroBatch(mask=mask, advantages=A), False)
     pad = ~mask.unsqueeze(-1)
@@ -230,7 +231,7 @@ def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sa
     knobs = VARIANTS[variant]
     A = inputs["advantages"]
     k = 0 if sample == "all" else 12  # the exact Fisher estimate, or an on-device sample of 12 of the 21 valid tokens
-    trainer.isopo_backward.settings = ISOPOSettings(
+    trainer.isopo_backward.settings = isopo_settings(
         **{**ctx.settings.__dict__, "r": 0.0, "interacting": False, **knobs, "route": route, "fisher_tokens": k,
            "force_half_operands": operands}
     )

@@ -9,7 +9,7 @@ import torch
 from isopo_oracle import dense_weights, rel_err
 
 from trl_isopo.isopo.layer import isopo_linear_grad
-from trl_isopo.isopo.isopo_backward import ISOPOSettings
+from math_settings import isopo_settings
 
 TOL = 1e-10
 SETTINGS = [
@@ -50,7 +50,7 @@ def test_isopo_linear_grad_matches_dense_oracle(knobs, history, route, dims):
     if dims[0] > dims[1]:  # the narrower operand carries the zero padding rows
         X, G = X + 0.0, G * mask.unsqueeze(-1)
         X[~mask] = 3.0
-    settings = ISOPOSettings(**knobs, route=route, fisher_tokens=7)
+    settings = isopo_settings(**knobs, route=route, fisher_tokens=7)
     out = isopo_linear_grad(X, G, mask, A, settings, sample=sample, history=history, has_bias=True)
     V, b = explicit(X * mask.unsqueeze(-1), G, mask)
     full = {"e": 1.0, "f": 1.0, "rho": 1.0}  # statistics with exponent 0 do not use their mu
@@ -76,7 +76,7 @@ def test_interacting_matches_dense_solve():
         lam = 1.5 * (torch.diagonal(K).mean() if history is None else history["ntk"])
         w = lam * torch.linalg.solve(K + lam * torch.eye(len(A), dtype=K.dtype), A)
         for route in ("gram", "mat"):
-            settings = ISOPOSettings(p=0.0, interacting=True, interacting_reg=1.5, route=route)
+            settings = isopo_settings(p=0.0, interacting=True, interacting_reg=1.5, route=route)
             out = isopo_linear_grad(X, G, mask, A, settings, history=history, has_bias=True)
             assert rel_err(out.grad_weight, torch.einsum("b,boi->oi", w, V)) < TOL
             assert rel_err(out.grad_bias, torch.einsum("b,bo->o", w, b)) < TOL
@@ -89,11 +89,11 @@ def test_stat_scale_moves_only_the_reference_point_units():
     with c = 0 n is ignored (degree-0 normalization)."""
     X, G, mask, A, sample = layer_case(seed=5)
     n = torch.full((4,), 3.0, dtype=torch.float64)
-    s1 = ISOPOSettings(p=-1.0, reg=1.0, fisher_tokens=7)
+    s1 = isopo_settings(p=-1.0, reg=1.0, fisher_tokens=7)
     a = isopo_linear_grad(X, G, mask, A, s1, sample=sample, stat_scale=n, history={"f": 0.4 * 9.0})
     b = isopo_linear_grad(X, G, mask, A, s1, sample=sample, history={"f": 0.4})
     assert rel_err(a.grad_weight, b.grad_weight) < TOL
-    c0 = ISOPOSettings(p=-1.0, reg=0.0, fisher_tokens=7)
+    c0 = isopo_settings(p=-1.0, reg=0.0, fisher_tokens=7)
     a = isopo_linear_grad(X, G, mask, A, c0, sample=sample, stat_scale=n)
     b = isopo_linear_grad(X, G, mask, A, c0, sample=sample)
     assert rel_err(a.grad_weight, b.grad_weight) < TOL
@@ -106,7 +106,7 @@ def test_coefficients_argument_gives_plain_autograd():
     Xr = X.clone()
     y = Xr @ W.T
     (y * (G * mask.unsqueeze(-1) * A.view(-1, 1, 1))).sum().backward()
-    out = isopo_linear_grad(X, G, mask, A, ISOPOSettings(p=-1.0, reg=0.0, fisher_tokens=7), sample=sample,
+    out = isopo_linear_grad(X, G, mask, A, isopo_settings(p=-1.0, reg=0.0, fisher_tokens=7), sample=sample,
                             coefficients=A)
     assert rel_err(out.grad_weight, W.grad) < TOL
 
@@ -127,7 +127,7 @@ def test_step_normalization_is_n_to_the_p_plus_q_for_c0_only(knobs, degree):
     the named settings) and leaves c > 0, the interacting variant and p = q = 0 alone (their update already carries
     the loss normalization); the dense oracle with n_step agrees."""
     X, G, mask, A, sample = layer_case()
-    settings = ISOPOSettings(**knobs, fisher_tokens=7)
+    settings = isopo_settings(**knobs, fisher_tokens=7)
     base = isopo_linear_grad(X, G, mask, A, settings, sample=sample)
     scaled = isopo_linear_grad(X, G, mask, A, settings, sample=sample, step_sequences=12.0)
     assert rel_err(scaled.grad_weight, 12.0**degree * base.grad_weight) < TOL

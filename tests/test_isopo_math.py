@@ -124,13 +124,14 @@ def test_route_costs_count_the_gemms_layer_grads_runs(variant, route, shape):
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+    from math_settings import isopo_settings
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward
     from trl_isopo.isopo.micro_batch import MicroBatch
 
     d_in, d_out, bias = shape
     B, L, k = 8, 64, 50
-    settings = {"p": ISOPOSettings(p=-1.0), "q": ISOPOSettings(p=0.0, q=-1.0),
-                "pqr": ISOPOSettings(p=-1.0, q=-0.5, r=-0.5), "interacting": ISOPOSettings(interacting=True)}[variant]
+    settings = {"p": isopo_settings(p=-1.0), "q": isopo_settings(p=0.0, q=-1.0),
+                "pqr": isopo_settings(p=-1.0, q=-0.5, r=-0.5), "interacting": isopo_settings(interacting=True)}[variant]
     S = costs.gathered_rows(k) if settings.needs_fisher else 0  # the sample as gathered (zero-padded)
     budget = B * d_out * (d_in + S) * 4 - 1 if route == "mat_chunked" else costs.DEFAULT_BUDGET_BYTES  # V won't fit
     settings = replace(settings, fisher_tokens=k, route=route.split("_")[0], budget_bytes=budget)
@@ -310,7 +311,8 @@ def test_step_metrics_match_dense_statistics(variant):
     """The per-step metrics (reduced once per step from per-layer-call records) against dense per-sequence V_i:
     two layers x two micro-batches of different sizes, a sequence with a zero layer gradient, a zero advantage and
     a forced non-finite coefficient. p alone does not compute e (nor report euclidean_norm)."""
-    from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+    from math_settings import isopo_settings
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward
     from trl_isopo.isopo.micro_batch import MicroBatch
 
     interacting = variant == "interacting"
@@ -320,7 +322,7 @@ def test_step_metrics_match_dense_statistics(variant):
         "interacting": dict(interacting=True, interacting_reg=0.7),
     }[variant]
     q, r = knobs.get("q", 0.0), knobs.get("r", 0.0)
-    ctx = ISOPOBackward(ISOPOSettings(**knobs))
+    ctx = ISOPOBackward(isopo_settings(**knobs))
     mu = {"e": 2.0, "f": 0.5, "rho": 0.3, "ntk": 1.5}
     expected = {
         k: [] for k in ("euclidean_norm", "fisher_norm", "rel_overlap", "scale_mean", "scale_std", "scale_spread", "ntk_lambda")

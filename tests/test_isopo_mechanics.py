@@ -6,6 +6,7 @@ from isopo_oracle import make_batch, make_trainer, rel_err, surrogate_logps
 from peft import LoraConfig
 
 from trl_isopo.isopo.isopo_backward import ISOPOSettings
+from math_settings import isopo_settings
 from trl_isopo.tiny import build_tiny_causal_lm
 
 
@@ -273,7 +274,7 @@ def test_masked_input_cache_never_serves_a_freed_input():
     from trl_isopo.isopo.isopo_backward import ISOPOBackward
     from trl_isopo.isopo.micro_batch import MicroBatch
 
-    ctx = ISOPOBackward(ISOPOSettings())
+    ctx = ISOPOBackward(isopo_settings())
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[0, :2] = False
     mb = MicroBatch(mask=mask, advantages=torch.ones(2))
@@ -314,7 +315,7 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
     A = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     grads = []
     for xi, gi in ((x, g), (clean_x, clean_g)):
-        ctx = ISOPOBackward(ISOPOSettings(p=-1.0, q=-0.5, r=0.3, fisher_tokens=5))
+        ctx = ISOPOBackward(isopo_settings(p=-1.0, q=-0.5, r=0.3, fisher_tokens=5))
         gw, gb = ctx.layer_grads("layer", xi, gi, MicroBatch(mask=mask, advantages=A, seed=3), True)
         grads.append((gw, gb))
     assert torch.isfinite(grads[0][0]).all() and torch.isfinite(grads[0][1]).all()

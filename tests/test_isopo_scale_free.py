@@ -14,6 +14,7 @@ import torch
 from isopo_oracle import make_batch, make_trainer, rel_err
 
 from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from math_settings import isopo_settings
 from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.isopo.reweight import isopo_sequence_scales, nonzero_median, regularized_magnitude
 from trl_isopo.tiny import build_tiny_causal_lm
@@ -64,7 +65,7 @@ def run_step(ctx, k, seeds, n=1.0, end=True):
 
 
 def context(knobs, reference="ema_mean"):
-    return ISOPOBackward(ISOPOSettings(fisher_tokens=0, reg_reference=reference, **knobs))
+    return ISOPOBackward(isopo_settings(fisher_tokens=0, reg_reference=reference, **knobs))
 
 
 @pytest.mark.parametrize("reference", ["ema_mean", "ema_median", "batch_median"])
@@ -170,7 +171,7 @@ def test_fisher_sample_without_any_gradient_gives_zero_not_nan():
     G[:, 0] = 0.0
     sample = torch.arange(0, X.shape[0] * X.shape[1], X.shape[1])  # position 0 of every sequence: g = 0 there
     for reg, expect in ((0.0, 0.0), (1.0, None)):
-        ctx = ISOPOBackward(ISOPOSettings(p=-1.0, reg=reg, fisher_tokens=0))
+        ctx = ISOPOBackward(isopo_settings(p=-1.0, reg=reg, fisher_tokens=0))
         ctx.sampler.override = {"L": sample}
         ctx.layer_grads("L", X, G, MicroBatch(mask=mask, advantages=A), False)
         scale = ctx.records[-1][3]
@@ -232,7 +233,7 @@ def test_settings_and_config_reject_unknown_reference(tmp_path):
     from trl_isopo import ISOPOConfig
 
     with pytest.raises(ValueError, match="reg_reference"):
-        ISOPOSettings(reg_reference="mean")
+        isopo_settings(reg_reference="mean")
     with pytest.raises(ValueError, match="isopo_reg_reference"):
         ISOPOConfig(output_dir=str(tmp_path), isopo_reg_reference="median", use_cpu=True, report_to="none")
 
@@ -302,7 +303,7 @@ def test_uniform_scales_warn_after_consecutive_steps_and_rarely(tiny_tokenizer, 
     assert run([low] * (T.SPREAD_WARN_STEPS - 1) + [0.5] + [low] * (T.SPREAD_WARN_STEPS - 1)) == []
     warned = run([low] * (T.SPREAD_WARN_EVERY + T.SPREAD_WARN_STEPS), start=1000)
     assert len(warned) == 2 and "isopo_reg_reference" in warned[0] and "isopo_reg" in warned[0]
-    trainer.isopo_backward.settings = ISOPOSettings(p=0.0, q=0.0, r=0.0)
+    trainer.isopo_backward.settings = isopo_settings(p=0.0, q=0.0, r=0.0)
     trainer._isopo_uniform_steps, trainer._isopo_last_spread_warning = 0, None
     assert run([low] * 20) == []
 
@@ -316,7 +317,7 @@ def test_first_step_of_ema_mean_is_uniform_and_logged_as_such(tiny_tokenizer, tm
     inputs = make_batch(tiny_tokenizer)
     spreads = {}
     for reference in ("ema_mean", "batch_median"):
-        ctx.settings = ISOPOSettings(
+        ctx.settings = isopo_settings(
             **{**ctx.settings.__dict__, "fisher_tokens": 0, "reg": 1.0, "reg_reference": reference}
         )
         trainer.model.zero_grad(set_to_none=True)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import trl_isopo
 from trl_isopo.isopo import layer as isopo_layer
 from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+from math_settings import isopo_settings
 from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
@@ -176,7 +177,7 @@ def test_layer_grads_on_cuda_do_not_synchronize(variant, dtype):
     dev = torch.device("cuda")
     x, gr, mask = x.to(dev, dtype), gr.to(dev, dtype), mask.to(dev)
     A = torch.randn(B, generator=g).to(dev)
-    ctx = ISOPOBackward(ISOPOSettings(**VARIANTS[variant], fisher_tokens=50))
+    ctx = ISOPOBackward(isopo_settings(**VARIANTS[variant], fisher_tokens=50))
     mb = MicroBatch(mask=mask, advantages=A, stat_scale=torch.full((B,), 7.0, device=dev))
     ctx.layer_grads("layer", x, gr, mb, True)
     torch.cuda.synchronize()

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from trl_isopo.proma import PROMASettings
+from math_settings import proma_settings
 from trl_isopo.proma.config import PROMAConfig
 
 
@@ -24,7 +24,7 @@ def test_defaults_docs_and_settings(tmp_path):
             assert f.name in PROMAConfig.__doc__, f.name
     assert args.loss_type == "bnpo"
     s = args.proma_settings()
-    assert s == PROMASettings(budget_bytes=256 * 2**20)
+    assert s == proma_settings(budget_bytes=256 * 2**20)
     assert (s.mode, s.shrinkage, s.ridge, s.solver, s.sweeps, s.relative_bound) == ("accumulation", 1.0, 1e-2,
                                                                                    "solve", 2, None)
     assert (s.intra_dim, s.intra_power_iters, s.intra_shrinkage, s.intra_target) == (30, 1, 1.0, "microbatch")

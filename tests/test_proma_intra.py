@@ -5,7 +5,8 @@ import pytest
 import torch
 from proma_oracle import F64, SHAPES, assert_matches, chain_batches, micro_batch, oracle_basis, oracle_fit, oracle_step
 
-from trl_isopo.proma import PROMASettings, factored_basis, proma_layer_step
+from trl_isopo.proma import factored_basis, proma_layer_step
+from math_settings import proma_settings
 from trl_isopo.proma.intra import draw_sketches, project, sketch_size
 
 TARGETS = ["microbatch", "accumulated", "accumulated_after"]
@@ -45,7 +46,7 @@ def test_bases_span_the_oracle_subspaces(q, shape):
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_chain_matches_oracle(target, mode, knobs, shape):
     batches = chain_batches(M=3, seed=21, d_in=shape[0], d_out=shape[1])
-    settings = PROMASettings(mode=mode, intra_target=target, intra_dim=3, **knobs)
+    settings = proma_settings(mode=mode, intra_target=target, intra_dim=3, **knobs)
     S = S_want = None
     for j, (X, G, mask, A, V) in enumerate(batches):
         sk = sketches_for(X, G, 3, seed=100 + j)
@@ -83,7 +84,7 @@ def test_full_rank_sketch_keeps_the_micro_batch_gradient():
     Gm = torch.einsum("b,boi->oi", A, V)
     assert basis.rank.item() == 6
     assert_matches(project(basis, Gm), Gm, 1e-12)
-    step = proma_layer_step(X, G, mask, A, PROMASettings(mode="intra", intra_dim=10),
+    step = proma_layer_step(X, G, mask, A, proma_settings(mode="intra", intra_dim=10),
                             generator=torch.Generator().manual_seed(3))
     assert step.grad_weight.abs().max() < 1e-12 * Gm.abs().max()
 
@@ -148,7 +149,7 @@ def test_power_iterations_recover_a_gapped_top_subspace():
 
 def test_generator_contract():
     X, G, mask, A, V = micro_batch(seed=8)
-    settings = PROMASettings(mode="intra", intra_dim=3)
+    settings = proma_settings(mode="intra", intra_dim=3)
     state = torch.get_rng_state()
     a = proma_layer_step(X, G, mask, A, settings, generator=torch.Generator().manual_seed(11))
     b = proma_layer_step(X, G, mask, A, settings, generator=torch.Generator().manual_seed(11))
@@ -171,7 +172,7 @@ def test_sketch_seeds_are_fixed_and_distinct():
 
 def test_micro_batch_target_is_order_independent():
     batches = chain_batches(M=3, seed=30)
-    settings = PROMASettings(mode="intra", intra_dim=2)
+    settings = proma_settings(mode="intra", intra_dim=2)
 
     def run(order):
         S = None
@@ -181,7 +182,7 @@ def test_micro_batch_target_is_order_independent():
         return S
 
     assert_matches(run([2, 0, 1]), run([0, 1, 2]), 1e-12)
-    zero = PROMASettings(mode="intra", intra_dim=2, intra_shrinkage=0.0)
+    zero = proma_settings(mode="intra", intra_dim=2, intra_shrinkage=0.0)
     X, G, mask, A, V = batches[0]
     plain = proma_layer_step(X, G, mask, A, zero, generator=torch.Generator().manual_seed(0)).grad_weight
     assert_matches(plain, torch.einsum("b,boi->oi", A, V), 1e-12)
@@ -190,7 +191,7 @@ def test_micro_batch_target_is_order_independent():
 def test_intra_metrics_match_dense_norms():
     X, G, mask, A, V = micro_batch(d_in=8, d_out=9, L=9, seed=13)
     sk = sketches_for(X, G, 3, seed=2)
-    step = proma_layer_step(X, G, mask, A, PROMASettings(mode="intra", intra_dim=3, intra_shrinkage=0.5), sketches=sk)
+    step = proma_layer_step(X, G, mask, A, proma_settings(mode="intra", intra_dim=3, intra_shrinkage=0.5), sketches=sk)
     Pa, Pg = oracle_projectors(X, G, mask, sk, 1)
     Gm = torch.einsum("b,boi->oi", A, V)
     PiG = Pg @ Gm @ Pa
@@ -198,7 +199,7 @@ def test_intra_metrics_match_dense_norms():
     assert torch.allclose(step.metrics[5:].double(), torch.tensor(want, dtype=F64), rtol=1e-5)
     # intra on the running gradient before accumulation: the accumulation metrics describe S' = S - s_i Pi(S)
     S = torch.randn(9, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
-    both = PROMASettings(mode="both", intra_dim=3, intra_shrinkage=0.5, intra_target="accumulated")
+    both = proma_settings(mode="both", intra_dim=3, intra_shrinkage=0.5, intra_target="accumulated")
     step = proma_layer_step(X, G, mask, A, both, running=S, sketches=sk)
     S1 = S - 0.5 * (Pg @ S @ Pa)
     P = oracle_fit(V, S1, 1e-2).view_as(S)
@@ -206,7 +207,7 @@ def test_intra_metrics_match_dense_norms():
             3.0, ((Pg @ S @ Pa).norm() / S.norm()).item(), 100 * (1 - (S1.norm() / S.norm()).item())]
     assert torch.allclose(step.metrics.double(), torch.tensor(want, dtype=F64), rtol=1e-5)
     # both, on the micro-batch gradient: the intra metrics describe G_m, not the increment G~_m - s kappa P
-    both = PROMASettings(mode="both", intra_dim=3, intra_shrinkage=0.5)
+    both = proma_settings(mode="both", intra_dim=3, intra_shrinkage=0.5)
     step = proma_layer_step(X, G, mask, A, both, running=S, sketches=sk)
     want = [(PiG.norm() / Gm.norm()).item(), 100 * (1 - ((Gm - 0.5 * PiG).norm() / Gm.norm()).item())]
     assert torch.allclose(step.metrics[6:].double(), torch.tensor(want, dtype=F64), rtol=1e-5)
@@ -228,11 +229,11 @@ def test_low_precision_intra_against_the_float64_oracle(dtype):
 def test_intra_on_each_micro_batch_keeps_no_running_gradient():
     """The default intra target never reads S: the backward keeps no full-size copy per layer, the increments are
     unchanged, and every other setting still keeps S."""
-    assert not PROMASettings(mode="intra").needs_running
-    assert all(PROMASettings(mode=m, intra_target=t).needs_running
+    assert not proma_settings(mode="intra").needs_running
+    assert all(proma_settings(mode=m, intra_target=t).needs_running
                for m, t in [("accumulation", "microbatch"), ("both", "microbatch"), ("intra", "accumulated"),
                             ("intra", "accumulated_after")])
-    settings = PROMASettings(mode="intra", intra_dim=3)
+    settings = proma_settings(mode="intra", intra_dim=3)
     S = None
     for j, (X, G, mask, A, _) in enumerate(chain_batches(M=3, seed=40)):
         sk = sketches_for(X, G, 3, seed=j)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from proma_oracle import F64, SHAPES, assert_matches, chain_batches, flat, micro_batch, oracle_fit, oracle_step, unit
 
-from trl_isopo.proma import PROMASettings, proma_layer_step
+from trl_isopo.proma import proma_layer_step
+from math_settings import proma_settings
 from trl_isopo.proma.accumulation import gram_schmidt_coefficients, normalized_kernel, running_overlaps
 
 KNOBS = {
@@ -49,7 +50,7 @@ def oracle_knobs(knobs):
 @pytest.mark.parametrize("route", ["gram", "mat"])
 def test_chain_matches_oracle(knobs, shape, route):
     batches = chain_batches(M=4, d_in=shape[0], d_out=shape[1], pad="x_zero" if route == "gram" else "g_zero")
-    got, metrics = run_chain(batches, PROMASettings(route=route, **knobs))
+    got, metrics = run_chain(batches, proma_settings(route=route, **knobs))
     want = oracle_chain(batches, **oracle_knobs(knobs))
     for g, w in zip(got, want):
         assert_matches(g, w)
@@ -63,7 +64,7 @@ def test_bias_is_projected_as_its_own_tensor():
     S = Sb = None
     Sb_want = None
     for X, G, mask, A, V in batches:
-        step = proma_layer_step(X, G, mask, A, PROMASettings(relative_bound=0.4), running=S, running_bias=Sb,
+        step = proma_layer_step(X, G, mask, A, proma_settings(relative_bound=0.4), running=S, running_bias=Sb,
                                 has_bias=True)
         S, Sb = step.running, step.running_bias
         vb = torch.where(mask.unsqueeze(-1), G, 0.0).sum(1)  # (B, d_out)
@@ -74,7 +75,7 @@ def test_bias_is_projected_as_its_own_tensor():
 
 def test_lambda_to_zero_gives_the_orthogonal_projection():
     batches = chain_batches(M=3, seed=5)
-    got, _ = run_chain(batches, PROMASettings(ridge=1e-13))
+    got, _ = run_chain(batches, proma_settings(ridge=1e-13))
     for j in (1, 2):
         V = batches[j][4]
         G = torch.einsum("b,boi->oi", batches[j][3], V)
@@ -88,7 +89,7 @@ def test_lambda_to_zero_gives_the_orthogonal_projection():
                          ids=["ridge->inf", "s=0", "beta=0"])
 def test_limits_that_reduce_to_plain_accumulation(knobs):
     batches = chain_batches(M=3, seed=2)
-    got, _ = run_chain(batches, PROMASettings(**knobs))
+    got, _ = run_chain(batches, proma_settings(**knobs))
     plain = sum(torch.einsum("b,boi->oi", A, V) for _, _, _, A, V in batches)
     assert_matches(got[-1], plain, 1e-10)
 
@@ -123,10 +124,10 @@ def test_permuting_sequences_within_a_micro_batch():
     batches = chain_batches(M=3, seed=9)
     perm = torch.tensor([2, 0, 3, 1])
     shuffled = [(X[perm], G[perm], mask[perm], A[perm], V[perm]) for X, G, mask, A, V in batches]
-    got, _ = run_chain(batches, PROMASettings())
-    got_p, _ = run_chain(shuffled, PROMASettings())
+    got, _ = run_chain(batches, proma_settings())
+    got_p, _ = run_chain(shuffled, proma_settings())
     assert_matches(got_p[-1], got[-1], 1e-12)  # the exact solve is order-free within a micro-batch
-    gs = PROMASettings(solver="gram_schmidt")
+    gs = proma_settings(solver="gram_schmidt")
     got_gs, _ = run_chain(batches, gs)
     got_gs_p, _ = run_chain(shuffled, gs)
     assert ((got_gs_p[-1] - got_gs[-1]).norm() / got_gs[-1].norm()) > 1e-6  # sequential sweeps are not
@@ -136,9 +137,9 @@ def test_permuting_sequences_within_a_micro_batch():
 def test_micro_batch_order_matters_and_matches_the_oracle_for_each_order():
     batches = chain_batches(M=4, seed=4)
     order = [3, 1, 0, 2]
-    got, _ = run_chain(batches, PROMASettings(), order=order)
+    got, _ = run_chain(batches, proma_settings(), order=order)
     assert_matches(got[-1], oracle_chain(batches, order=order)[-1])
-    assert ((got[-1] - run_chain(batches, PROMASettings())[0][-1]).norm() / got[-1].norm()) > 1e-6
+    assert ((got[-1] - run_chain(batches, proma_settings())[0][-1]).norm() / got[-1].norm()) > 1e-6
 
 
 @pytest.mark.parametrize("k", [1e-7, 3e5])
@@ -146,7 +147,7 @@ def test_micro_batch_order_matters_and_matches_the_oracle_for_each_order():
 def test_common_scale_on_every_gradient_scales_the_result(k, solver):
     """No absolute epsilon: V -> k V (inputs scaled) gives S_m -> k S_m; so do advantages -> k A."""
     batches = chain_batches(M=3, seed=6)
-    settings = PROMASettings(solver=solver, relative_bound=0.5)
+    settings = proma_settings(solver=solver, relative_bound=0.5)
     base, _ = run_chain(batches, settings)
     scaled, _ = run_chain(batches, settings, scale=k)
     assert_matches(scaled[-1] / k, base[-1], 1e-12)
@@ -158,7 +159,7 @@ def test_exact_zeros_give_no_nan():
     """An empty sequence (V_i = 0), S = 0, a zero-advantage micro-batch and an all-empty micro-batch."""
     X, G, mask, A, V = micro_batch(empty_row=True)
     zeroA = torch.zeros_like(A)
-    for settings in (PROMASettings(relative_bound=0.5), PROMASettings(solver="gram_schmidt")):
+    for settings in (proma_settings(relative_bound=0.5), proma_settings(solver="gram_schmidt")):
         S = torch.zeros(V.shape[1:], dtype=F64)
         step = proma_layer_step(X, G, mask, A, settings, running=S, has_bias=True)
         assert torch.isfinite(step.metrics).all() and torch.isfinite(step.grad_weight).all()
@@ -168,9 +169,9 @@ def test_exact_zeros_give_no_nan():
         nothing = proma_layer_step(X * 0, G, torch.zeros_like(mask), A, settings, running=step.running)
         assert nothing.grad_weight.abs().max() == 0 and torch.isfinite(nothing.metrics).all()
     # without the bound a zero-advantage micro-batch still projects S; with beta it adds nothing and projects nothing
-    S1 = proma_layer_step(X, G, mask, A, PROMASettings(), running=None).running
-    free = proma_layer_step(X, G, mask, zeroA, PROMASettings(), running=S1).running
-    bounded = proma_layer_step(X, G, mask, zeroA, PROMASettings(relative_bound=0.5), running=S1).running
+    S1 = proma_layer_step(X, G, mask, A, proma_settings(), running=None).running
+    free = proma_layer_step(X, G, mask, zeroA, proma_settings(), running=S1).running
+    bounded = proma_layer_step(X, G, mask, zeroA, proma_settings(relative_bound=0.5), running=S1).running
     assert_matches(bounded, S1, 1e-14)
     assert_matches(free, S1 - oracle_fit(V, S1, 1e-2).view_as(S1))
 
@@ -204,7 +205,7 @@ def test_skip_gate_leaves_early_micro_batches_unprojected():
     batches = chain_batches(M=4, seed=8)
     state = PROMALayerState()
     for j, (X, G, mask, A, _) in enumerate(batches):
-        step = proma_layer_step(X, G, mask, A, PROMASettings(), running=state.weight, running_bias=state.bias,
+        step = proma_layer_step(X, G, mask, A, proma_settings(), running=state.weight, running_bias=state.bias,
                                 has_bias=True, active=projection_active(j, 4, 0.5))
         state.update(step)
         assert step.metrics[0].item() == float(j >= 2)
@@ -222,7 +223,7 @@ def test_metrics_match_dense_norms():
     batches = chain_batches(M=2, seed=1)
     S1 = oracle_step(batches[0][4], batches[0][3], None)
     X, G, mask, A, V = batches[1]
-    step = proma_layer_step(X, G, mask, A, PROMASettings(shrinkage=0.6, relative_bound=0.2), running=S1)
+    step = proma_layer_step(X, G, mask, A, proma_settings(shrinkage=0.6, relative_bound=0.2), running=S1)
     P = oracle_fit(V, S1, 1e-2)
     Gm = torch.einsum("b,boi->oi", A, V)
     kappa = min(1.0, (0.2 * Gm.norm() / P.norm()).item())
@@ -255,13 +256,13 @@ def test_low_precision_operands_against_the_float64_oracle(dtype):
         m = mask.unsqueeze(-1)
         Vr = torch.einsum("blo,bli->boi", torch.where(m, Gr.double(), 0.0), torch.where(m, Xr.double(), 0.0))
         rounded.append((Xr, Gr, mask, A, Vr))
-    got, _ = run_chain(rounded, PROMASettings(relative_bound=0.5))
+    got, _ = run_chain(rounded, proma_settings(relative_bound=0.5))
     assert got[-1].dtype == torch.float32
     want = oracle_chain(rounded, bound=0.5)[-1]
     if dtype == torch.float32:
         assert_matches(got[-1], want, 1e-5)
         return
-    plain = sum(proma_layer_step(X, G, mask, A, PROMASettings(), active=False).grad_weight.double()
+    plain = sum(proma_layer_step(X, G, mask, A, proma_settings(), active=False).grad_weight.double()
                 for X, G, mask, A, _ in rounded)
     plain_want = sum(torch.einsum("b,boi->oi", A, V) for _, _, _, A, V in rounded)
     plain_err = ((plain - plain_want).norm() / plain_want.norm()).item()

@@ -14,7 +14,8 @@ from proma_oracle import micro_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import trl_isopo
-from trl_isopo.proma import PROMASettings, proma_layer_step
+from trl_isopo.proma import proma_layer_step
+from math_settings import proma_settings
 
 aten = torch.ops.aten
 PACKAGE = os.path.dirname(trl_isopo.__file__)
@@ -56,7 +57,7 @@ class HostReads(TorchDispatchMode):
 def test_no_host_reads(mode, target, solver):
     X, G, mask, A, V = micro_batch(empty_row=True)
     S = torch.randn(V.shape[1:], dtype=V.dtype)
-    settings = PROMASettings(mode=mode, intra_target=target, solver=solver, intra_dim=3,
+    settings = proma_settings(mode=mode, intra_target=target, solver=solver, intra_dim=3,
                              relative_bound=0.5 if mode != "intra" else None)
     gen = torch.Generator().manual_seed(0)
     with HostReads() as rec:

@@ -15,7 +15,8 @@ from proma_steps import F64, make_trainer, micro_batches, oracle_step_grads, per
 from proma_oracle import assert_matches  # noqa: E402
 
 from trl_isopo.isopo.kl import k3_per_token  # noqa: E402
-from trl_isopo.proma import PROMAConfig, PROMASettings, PROMATrainer  # noqa: E402
+from trl_isopo.proma import PROMAConfig, PROMATrainer  # noqa: E402
+from math_settings import proma_settings  # noqa: E402
 
 # The advantage-weighted norm weights and the LM head (TRL's fused kernel folds d loss / d logits in float32) are
 # not PROMA's: they agree with the oracle at float32 rounding.
@@ -166,7 +167,7 @@ def test_sharding_rule():
     def setup(ds=False, fsdp=False, fsdp2=False, beta=0.0, aux=False, mode="accumulation"):
         trainer = SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp, aux_loss_enabled=aux,
                                   accelerator=SimpleNamespace(is_fsdp2=fsdp2),
-                                  args=SimpleNamespace(beta=beta, proma_settings=lambda: PROMASettings(mode=mode)))
+                                  args=SimpleNamespace(beta=beta, proma_settings=lambda: proma_settings(mode=mode)))
         return PROMATrainer._unsupported_setup(trainer)
 
     assert setup() is None and setup(beta=0.04) is None  # one process / DDP

@@ -117,7 +117,8 @@ def _isopo_head_case(k, triton_path):
     row-scaled kernel), p = -1 with an exact Fisher estimate, on TRL's full row layout."""
     from trl_isopo.isopo.head.kernel import RowScaledChunkedLogProb
     from trl_isopo.isopo.head import ISOPOHead
-    from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
+    from math_settings import isopo_settings
+    from trl_isopo.isopo.isopo_backward import ISOPOBackward
     from trl_isopo.isopo.micro_batch import MicroBatch
 
     k._use_triton = lambda device: triton_path
@@ -130,7 +131,7 @@ def _isopo_head_case(k, triton_path):
     h = torch.randn(n_rows, H, generator=g).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
     targets = torch.randint(0, V, (n_rows,), generator=g)
-    ctx = ISOPOBackward(ISOPOSettings(p=-1.0, q=0.0, r=0.0, fisher_tokens=0))
+    ctx = ISOPOBackward(isopo_settings(p=-1.0, q=0.0, r=0.0, fisher_tokens=0))
     mb = MicroBatch(mask=mask, advantages=torch.tensor([1.0, -0.5, 2.0, -1.5]), logits_to_keep=C, seed=3)
     out = RowScaledChunkedLogProb.apply(h, w, None, targets, ISOPOHead(ctx, "lm_head", mb), 0.7, CHUNK, None, 1.0, ())
     scored = torch.zeros(B, L - 1, dtype=torch.bool)

@@ -13,6 +13,7 @@ to that reference (rank 0), the EMA state, the covered-layer records per micro-b
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -22,13 +23,15 @@ from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
 from trl_isopo.isopo.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the math settings
+from math_settings import isopo_settings  # noqa: E402
 from fsdp2_support import B, STEPS, max_rel_diff, shard, step_batch, surrogate_loss  # noqa: E402  (same folder)
 
 
 def settings() -> ISOPOSettings:
     # c = 1 so that the EMA (synchronized across ranks) changes the coefficients; a Fisher sample smaller than the
     # valid tokens so that the sample seeds matter.
-    return ISOPOSettings(p=-1.0, reg=1.0, fisher_tokens=6)
+    return isopo_settings(p=-1.0, reg=1.0, fisher_tokens=6)
 
 
 def micro_step(model, context, ids, mask, completion, advantages, seed):

@@ -14,19 +14,21 @@ the second projects the first's running gradient). Written to `<out>.rank<r>.jso
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 from trl_isopo.proma.backward import PROMABackward, PROMAMicroBatch
-from trl_isopo.proma.projection import PROMASettings
 from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the math settings
+from math_settings import proma_settings  # noqa: E402
 from fsdp2_support import B, STEPS, max_rel_diff, shard, step_batch, surrogate_loss  # noqa: E402  (same folder)
 
-MODES = {"intra": (PROMASettings(mode="intra", intra_dim=3), 1),
-         "accumulation": (PROMASettings(mode="accumulation"), 2)}
+MODES = {"intra": (proma_settings(mode="intra", intra_dim=3), 1),
+         "accumulation": (proma_settings(mode="accumulation"), 2)}
 
 
 def build(tokenizer, settings):

@@ -6,13 +6,11 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..surrogate_rules import SURROGATE_LOSS_TYPES, surrogate_config_errors
+from .costs import ROUTES
+from .isopo_backward import ISOPOSettings
 from .other_params import OTHER_PARAMS_MODES
 from .reweight import REG_REFERENCES
-from .costs import ROUTES
-
-# Loss types whose *normalization* ISOPO reuses for its advantage-free surrogate. The others differ from these by
-# their ratio transform (clipping / soft gates), which ISOPO replaces by construction.
-ISOPO_LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
 
 
 @dataclass
@@ -159,7 +157,7 @@ class ISOPOConfig(GRPOConfig):
         default="bnpo",
         metadata={
             "help": "Normalization of the advantage-free surrogate (ISOPO has no ratio or clipping).",
-            "choices": list(ISOPO_LOSS_TYPES),
+            "choices": list(SURROGATE_LOSS_TYPES),
         },
     )
 
@@ -188,48 +186,15 @@ class ISOPOConfig(GRPOConfig):
                     "isopo_p / isopo_q / isopo_r do not apply to the interacting variant; leave them at their "
                     "defaults or set isopo_interacting=False."
                 )
-        if self.loss_type not in ISOPO_LOSS_TYPES:
-            errors.append(
-                f"loss_type={self.loss_type!r} is a ratio transform ISOPO does not use; choose a normalization from "
-                f"{ISOPO_LOSS_TYPES} (default 'bnpo', the reference's token mean)."
-            )
-        if self.beta < 0.0:
-            errors.append(f"beta (the KL-to-reference coefficient) must be >= 0 (got {self.beta}).")
-        if self.beta != 0.0 and self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            errors.append(
-                "beta > 0 back-propagates the KL term in a separate torch.autograd.grad pass, which reentrant gradient "
-                "checkpointing does not support: set gradient_checkpointing_kwargs={'use_reentrant': False}."
-            )
-        for name in ("epsilon", "epsilon_high"):
-            default = GRPOConfig.__dataclass_fields__[name].default
-            if getattr(self, name) != default:
-                errors.append(
-                    f"{name}={getattr(self, name)!r} has no effect: ISOPO has no importance ratio to clip. Leave it at "
-                    f"its default ({default!r})."
-                )
-        if self.off_policy_mask_threshold is not None:
-            errors.append("ISOPO has no pi_old ratio to mask: set off_policy_mask_threshold=None.")
-        if self.delta is not None:
-            errors.append("ISOPO has no importance ratio to clip: set delta=None.")
-        if self.importance_sampling_level != "token":
-            errors.append(
-                "importance_sampling_level='sequence' would turn ISOPO's seed into a per-sequence token mean; ISOPO "
-                "has no ratio: leave it at 'token' and pick the normalization with loss_type."
-            )
-        if self.fp16:
-            errors.append(
-                "fp16 uses a GradScaler whose unscale step would divide ISOPO's loss-scale-free gradient by the scale: "
-                "use bf16=True or full precision."
-            )
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            errors.append(
-                "vllm_importance_sampling_correction=True is not supported: ISOPO has no importance ratio for the "
-                "correction's weight (log-probs are recomputed by the training model). Leave it at its ISOPO default, "
-                "False."
-            )
-        if self.torch_compile:
-            errors.append("ISOPO's per-layer autograd Function does not compile: set torch_compile=False.")
-        if self.use_liger_kernel:
-            errors.append("Liger kernels may bypass nn.Linear.forward, which ISOPO hooks: set use_liger_kernel=False.")
+        errors += surrogate_config_errors(self, "ISOPO", entropy_bonus=True)
         if errors:
             raise ValueError("Invalid ISOPOConfig:\n- " + "\n- ".join(errors))
+
+    def isopo_settings(self) -> ISOPOSettings:
+        """The math knobs as the per-layer functions take them (the one place they are built from a config)."""
+        return ISOPOSettings(
+            p=self.isopo_p, q=self.isopo_q, r=self.isopo_r, reg=self.isopo_reg, reg_reference=self.isopo_reg_reference,
+            ema_decay=self.isopo_reg_ema_decay, fisher_tokens=self.isopo_fisher_tokens,
+            interacting=self.isopo_interacting, interacting_reg=self.isopo_interacting_reg, route=self.isopo_route,
+            budget_bytes=int(self.isopo_chunk_mb * 2**20), seed=self.seed, force_half_operands=False,
+        )

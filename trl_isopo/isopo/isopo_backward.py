@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from .backward import LayerBackward
-from .costs import DEFAULT_BUDGET_BYTES
 from .ema import EMAStatistics
 from .head.isopo import ISOPOHead
 from .layer import isopo_linear_grad, reference_point
@@ -28,23 +27,24 @@ _HISTORY_KEYS = ("e", "f", "rho", "ntk", "e@median", "f@median", "rho@median")
 
 @dataclass(frozen=True)
 class ISOPOSettings:
-    """The math knobs (see `ISOPOConfig` for their documentation)."""
+    """The math knobs (see `ISOPOConfig` for their documentation). No defaults: a config is the one place that
+    has them, and `ISOPOConfig.isopo_settings` builds these from it."""
 
-    p: float = -1.0
-    q: float = 0.0
-    r: float = 0.0
-    reg: float = 1.0
-    reg_reference: str = "ema_mean"
-    ema_decay: float = 0.9
-    fisher_tokens: int = 250
-    interacting: bool = False
-    interacting_reg: float = 1.0
-    route: str = "auto"
-    budget_bytes: int = DEFAULT_BUDGET_BYTES
-    seed: int = 0
+    p: float
+    q: float
+    r: float
+    reg: float
+    reg_reference: str
+    ema_decay: float
+    fisher_tokens: int
+    interacting: bool
+    interacting_reg: float
+    route: str
+    budget_bytes: int
+    seed: int
     # Keep bf16 / fp16 operands for the statistics where the device has no float32-output half GEMM (CPU): the GPU's
     # path, for tests (`precision.keeps_half_operands`). False: by device.
-    force_half_operands: bool = False
+    force_half_operands: bool
 
     def __post_init__(self):
         if self.reg_reference not in REG_REFERENCES:

@@ -18,7 +18,7 @@ from ..entropy_bonus import entropy_bonus_enabled
 from ..vllm_cpu import apply_cpu_weight_sync
 from .checkpoint import load_isopo_state, save_isopo_state
 from .config import ISOPOConfig
-from .isopo_backward import ISOPOBackward, ISOPOSettings
+from .isopo_backward import ISOPOBackward
 from .install import install_isopo
 from .metrics import METRIC_NAMES
 from .micro_batch import MicroBatch
@@ -115,22 +115,7 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
                 "ISOPO under FSDP2: the per-layer backward is tested with torch's fully_shard on 2 CPU processes "
                 "(same parameters as one process), not yet through accelerate on GPUs."
             )
-        self._init_surrogate(ISOPOBackward(
-            ISOPOSettings(
-                p=args.isopo_p,
-                q=args.isopo_q,
-                r=args.isopo_r,
-                reg=args.isopo_reg,
-                reg_reference=args.isopo_reg_reference,
-                ema_decay=args.isopo_reg_ema_decay,
-                fisher_tokens=args.isopo_fisher_tokens,
-                interacting=args.isopo_interacting,
-                interacting_reg=args.isopo_interacting_reg,
-                route=args.isopo_route,
-                budget_bytes=int(args.isopo_chunk_mb * 2**20),
-                seed=args.seed,
-            )
-        ))
+        self._init_surrogate(ISOPOBackward(args.isopo_settings()))
         self.isopo_coverage = self._install_isopo()
         self._isopo_micro_step = 0
         self._isopo_skipped = 0

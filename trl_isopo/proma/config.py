@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..surrogate_rules import SURROGATE_LOSS_TYPES, surrogate_config_errors
 from ..isopo.costs import ROUTES
 from ..isopo.other_params import OTHER_PARAMS_MODES
 from .accumulation import SOLVERS
 from .intra import INTRA_TARGETS
 from .projection import MODES, PROMASettings
 
-# Loss types whose normalization the advantage-free surrogate reuses (as for ISOPO); the others are ratio transforms.
-PROMA_LOSS_TYPES = ("bnpo", "grpo", "dr_grpo", "dapo")
 _ACCUMULATION_KNOBS = ("proma_shrinkage", "proma_ridge", "proma_solver", "proma_gs_sweeps", "proma_relative_bound")
 _INTRA_KNOBS = ("proma_intra_dim", "proma_intra_power_iters", "proma_intra_shrinkage", "proma_intra_target")
 
@@ -159,12 +158,12 @@ class PROMAConfig(GRPOConfig):
     loss_type: str = field(
         default="bnpo",
         metadata={"help": "Normalization of the advantage-free surrogate (PROMA has no clipping).",
-                  "choices": list(PROMA_LOSS_TYPES)},
+                  "choices": list(SURROGATE_LOSS_TYPES)},
     )
 
     def __post_init__(self):
         super().__post_init__()
-        errors = self._proma_errors() + self._grpo_errors()
+        errors = self._proma_errors() + surrogate_config_errors(self, "PROMA", entropy_bonus=False)
         if errors:
             raise ValueError("Invalid PROMAConfig:\n- " + "\n- ".join(errors))
 
@@ -236,47 +235,4 @@ class PROMAConfig(GRPOConfig):
         elif (M - 1) < self.proma_skip_fraction * M:
             errors.append(f"proma_skip_fraction={self.proma_skip_fraction} skips all {M} micro-batches of each "
                           "optimizer step: lower it or raise gradient_accumulation_steps.")
-        return errors
-
-    def _grpo_errors(self) -> list[str]:
-        errors = []
-        if self.loss_type not in PROMA_LOSS_TYPES:
-            errors.append(f"loss_type={self.loss_type!r} is a ratio transform PROMA does not use; choose a "
-                          f"normalization from {PROMA_LOSS_TYPES} (default 'bnpo', the reference's token mean).")
-        if self.beta < 0.0:
-            errors.append(f"beta (the KL-to-reference coefficient) must be >= 0 (got {self.beta}).")
-        if self.beta != 0.0 and self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get(
-            "use_reentrant"
-        ):
-            errors.append("beta > 0 back-propagates the KL term in a separate torch.autograd.grad pass, which "
-                          "reentrant gradient checkpointing does not support: set gradient_checkpointing_kwargs="
-                          "{'use_reentrant': False}.")
-        for name in ("epsilon", "epsilon_high"):
-            default = GRPOConfig.__dataclass_fields__[name].default
-            if getattr(self, name) != default:
-                errors.append(f"{name}={getattr(self, name)!r} has no effect: PROMA does not clip (the reference "
-                              f"runs it with clip ratios of 1e9). Leave it at its default ({default!r}).")
-        if self.delta is not None:
-            errors.append("PROMA does not clip the importance ratio: set delta=None.")
-        if self.importance_sampling_level != "token":
-            errors.append("importance_sampling_level='sequence' would change the surrogate's per-token weights; "
-                          "leave it at 'token' and pick the normalization with loss_type.")
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
-            errors.append("PROMA does not support an entropy bonus: set entropy_coef=0 and use_adaptive_entropy=False.")
-        if self.top_entropy_quantile < 1.0:
-            errors.append("PROMA does not support top_entropy_quantile < 1: set it to 1.0.")
-        if self.off_policy_mask_threshold is not None:
-            errors.append("PROMA's surrogate has no advantage-signed ratio to mask: set "
-                          "off_policy_mask_threshold=None.")
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            errors.append("vllm_importance_sampling_correction=True is not supported: PROMA applies no importance-"
-                          "sampling weight (log-probs are recomputed by the training model). Leave it at its PROMA "
-                          "default, False.")
-        if self.fp16:
-            errors.append("fp16 is not supported by the per-layer backward PROMA shares with ISOPO (GradScaler): use "
-                          "bf16=True or full precision.")
-        if self.torch_compile:
-            errors.append("PROMA's per-layer autograd Function does not compile: set torch_compile=False.")
-        if self.use_liger_kernel:
-            errors.append("Liger kernels may bypass nn.Linear.forward, which PROMA hooks: set use_liger_kernel=False.")
         return errors

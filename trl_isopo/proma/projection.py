@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..isopo.costs import DEFAULT_BUDGET_BYTES, ROUTES
+from ..isopo.costs import ROUTES
 from ..isopo.precision import matmul_f32, stat_dtype
 from ..isopo.statistics import sequence_statistics
 from ..isopo.weight_grad import reweighted_weight_grad
@@ -50,20 +50,21 @@ METRIC_NAMES = (
 
 @dataclass(frozen=True)
 class PROMASettings:
-    """The math knobs (documented on `PROMAConfig`). budget_bytes bounds chunked intermediates."""
+    """The math knobs (documented on `PROMAConfig`). budget_bytes bounds chunked intermediates. No defaults: a
+    config is the one place that has them, and `PROMAConfig.proma_settings` builds these from it."""
 
-    mode: str = "accumulation"
-    shrinkage: float = 1.0
-    ridge: float = 1e-2
-    solver: str = "solve"
-    sweeps: int = 2
-    relative_bound: float | None = None
-    intra_dim: int = 30
-    intra_power_iters: int = 1
-    intra_shrinkage: float = 1.0
-    intra_target: str = "microbatch"
-    route: str = "auto"
-    budget_bytes: int = DEFAULT_BUDGET_BYTES
+    mode: str
+    shrinkage: float
+    ridge: float
+    solver: str
+    sweeps: int
+    relative_bound: float | None
+    intra_dim: int
+    intra_power_iters: int
+    intra_shrinkage: float
+    intra_target: str
+    route: str
+    budget_bytes: int
 
     def __post_init__(self):
         for name, value, choices in (("mode", self.mode, MODES), ("solver", self.solver, SOLVERS),

@@ -201,3 +201,21 @@ def head_data(trainer, inputs):
     loss = -(logp.squeeze(-1) * mask).sum() / mask.sum()
     (G,) = torch.autograd.grad(loss, logits)
     return hidden, G, mask
+
+
+def logps_grad(trainer, loss_fn, inputs):
+    """d loss_fn(inputs) / d (the per-token log-probs of the policy forward it runs)."""
+    captured, forward = [], trainer._get_per_token_logps_and_entropies
+
+    def capture(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        captured.append(out[0])
+        return out
+
+    trainer._get_per_token_logps_and_entropies = capture
+    try:
+        loss = loss_fn(inputs)
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+    (grad,) = torch.autograd.grad(loss, captured[-1])
+    return grad

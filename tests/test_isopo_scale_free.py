@@ -11,7 +11,8 @@ What is invariant (docs/isopo.md, "Scale-free coefficients"):
 
 import pytest
 import torch
-from isopo_oracle import make_batch, make_trainer, rel_err
+from isopo_oracle import logps_grad, make_batch, make_trainer, rel_err
+from trl import GRPOTrainer
 
 from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
 from math_settings import isopo_settings
@@ -246,9 +247,11 @@ def test_loss_normalizer_matches_trl_loss(tiny_tokenizer, tmp_path, loss_type):
     trainer.current_gradient_accumulation_steps = 3
     inputs = make_batch(tiny_tokenizer)
     with trainer.isopo_active():
-        loss = trainer.compute_loss(trainer.model, inputs)
+        trainer.compute_loss(trainer.model, inputs)
         n = trainer.isopo_backward.current.stat_scale
-        (seed,) = torch.autograd.grad(loss, trainer._surrogate_logps)
+    # TRL's own loss: GRPO with advantages 1 and no importance ratio
+    grpo_inputs = {**inputs, "advantages": torch.ones_like(inputs["advantages"]), "old_per_token_logps": None}
+    seed = logps_grad(trainer, lambda x: GRPOTrainer._compute_loss(trainer, trainer.model, x), grpo_inputs)
     mask = inputs["completion_mask"].double()
     # (TRL's fused log-prob kernel returns float32 log-probs even for a float64 model)
     torch.testing.assert_close(seed.double(), -mask / n.unsqueeze(1), rtol=1e-6, atol=0)

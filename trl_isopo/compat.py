@@ -166,6 +166,20 @@ class OldLogpsSkip:
 FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
+
+
+def policy_forward(trainer, model, inputs, compute_entropy=False, compute_aux_loss=False, batch_size=None):
+    """(per-token log-probs (B, C), entropies (B, C) or None, aux loss or None) of the completions in `inputs` (a
+    micro-batch of GRPOTrainer's), through `trainer._get_per_token_logps_and_entropies` called as GRPOTrainer's own
+    loss calls it (multimodal inputs included)."""
+    completion_ids = inputs["completion_ids"]
+    return trainer._get_per_token_logps_and_entropies(
+        model, torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), completion_ids.size(1),
+        batch_size=batch_size, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+        **{key: inputs.get(key) for key in FORWARD_KEYS})
+
+
 # GRPOTrainer methods some trainer of this package overrides or calls, with the parameters it passes or reads.
 GRPO_HOOKS = {
     "_prepare_inputs": ("generation_batch",),

@@ -1,14 +1,16 @@
 """`SurrogateLossMixin`: the GRPOTrainer glue of a method whose covered linear layers rebuild their weight gradient
 inside the backward pass (a `backward.LayerBackward`): ISOPOTrainer and PROMATrainer.
 
-The loss is GRPO's own with advantages 1 and no importance ratio: the **advantage-free surrogate** -sum(log pi),
-normalized like `loss_type` (`isopo.normalizer.loss_normalizer`); the advantages reach the covered layers through the
-micro-batch bound into the backward object's window. What GRPO adds to that loss and the method must not transform
-(the k3 KL to the reference model when `beta > 0`, TRL's entropy bonus, a MoE router aux loss) is taken as one
-ordinary gradient in the backward object's `plain()` mode over the same graph (`kl.KLGradients`).
-`top_entropy_quantile < 1` stays inside GRPO's loss: its token mask multiplies the seed, so the per-sequence gradients
-come from the high-entropy tokens only. TRL's no-grad forward for `old_per_token_logps` is skipped unless
-`_needs_old_logps` says it is read.
+The loss is GRPO's with advantages 1 and no importance ratio, written here from the per-token log-probs (as TRL's
+GMPOTrainer writes its own): the **advantage-free surrogate** -sum_i sum_t m_it log pi_it / n_i, m the completion
+(and tool) mask, n_i the normalization of `loss_type` (`isopo.normalizer.loss_normalizer`); the advantages reach the
+covered layers through the micro-batch bound into the backward object's window. What GRPO adds to that loss and the
+method must not transform (the k3 KL to the reference model when `beta > 0`, TRL's entropy bonus, a MoE router aux
+loss) is taken as one ordinary gradient in the backward object's `plain()` mode over the same graph
+(`kl.KLGradients`). `top_entropy_quantile < 1` multiplies m by GRPO's high-entropy mask, so the per-sequence
+gradients come from the high-entropy tokens only. GRPO's metrics are logged as GRPO logs them (its clip ratios are 0:
+there is no ratio). TRL's no-grad forward for `old_per_token_logps` is skipped unless `_needs_old_logps` says it is
+read (`compat.OldLogpsSkip`).
 
 A trainer mixes this in before `GRPOTrainer`, calls `_init_surrogate` with its installed `LayerBackward`, sets
 `_surrogate_name` (for messages) and implements `_make_micro_batch`; `training_step` opens the window around TRL's
@@ -23,7 +25,7 @@ import torch
 
 from transformers.utils import logging
 
-from ..compat import OldLogpsSkip
+from ..compat import OldLogpsSkip, policy_forward
 from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
 from .kl import KLGradients, k3_per_token
 from .micro_batch import MicroBatch
@@ -31,11 +33,14 @@ from .normalizer import loss_normalizer
 
 logger = logging.get_logger(__name__)
 
+# GRPOTrainer's clip-ratio metrics for the loss types the surrogate normalizes like (TRL 1.16).
+_CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                 "clip_ratio/high_max")
+
 
 class SurrogateLossMixin:
     """See the module docstring. State: `_surrogate_window` (the ExitStack of the open window, None outside),
-    `_surrogate_kl` (held KL gradients), `_surrogate_logps` / `_surrogate_entropies` / `_surrogate_aux` (the last
-    policy forward's)."""
+    `_surrogate_kl` (held KL gradients), `_surrogate_old_logps_skip`."""
 
     _surrogate_name = "method"
     _window_method = "backward_window"  # the name the trainer's users call the window by (in messages)
@@ -44,7 +49,6 @@ class SurrogateLossMixin:
         self._surrogate_backward = backward
         self._surrogate_window = None
         self._surrogate_kl = KLGradients()
-        self._surrogate_logps = self._surrogate_entropies = self._surrogate_aux = None
         self._surrogate_old_logps_skip = OldLogpsSkip()
 
     # ------------------------------------------------------------------------------------------- subclass hooks
@@ -97,10 +101,9 @@ class SurrogateLossMixin:
         )  # fmt: skip
 
     def _compute_loss(self, model, inputs):
-        """GRPO's loss with advantages 1 and pi_old = sg(pi): ratio 1 and gradient exactly grad(-sum log pi) /
-        normalizer, so GRPO's forward, masks (tool, truncation, high-entropy tokens) and normalization are reused
-        unchanged; the real advantages are bound into the window. The KL term, entropy bonus and aux loss are one
-        ordinary gradient (`_extra_terms`)."""
+        """The advantage-free surrogate (module docstring): its gradient is GRPO's loss's with advantages 1 and ratio 1,
+        -m_it / n_i per log-prob; the real advantages are bound into the window. The KL term, entropy bonus and aux
+        loss are one ordinary gradient (`_extra_terms`)."""
         mode = "train" if self.model.training else "eval"
         advantages = torch.nan_to_num(inputs["advantages"].detach().float(), nan=0.0)
         if advantages.dim() != 1:
@@ -123,47 +126,47 @@ class SurrogateLossMixin:
         if training:
             mb = self._make_micro_batch(inputs, attention_mask, advantages, normalizer.detach())
             self._surrogate_window.enter_context(self._surrogate_backward.micro_batch(mb))
-        surrogate_inputs = dict(inputs)
-        surrogate_inputs["advantages"] = torch.ones_like(inputs["advantages"])
-        surrogate_inputs["old_per_token_logps"] = None
-        self._surrogate_logps = self._surrogate_entropies = self._surrogate_aux = None
-        # GRPO's loss without its KL term, entropy bonus and aux loss (added below, outside the method's transform).
-        saved = (self.beta, self._entropy_bonus_enabled, self.router_aux_loss_coef)
-        self.beta, self._entropy_bonus_enabled, self.router_aux_loss_coef = 0.0, False, 0.0
-        try:
-            loss = super()._compute_loss(model, surrogate_inputs)
-        finally:
-            self.beta, self._entropy_bonus_enabled, self.router_aux_loss_coef = saved
-        extra_value = self._extra_terms(model, inputs, loss_mask, normalizer, mode)
-        logps = self._surrogate_logps.detach()
-        # Monitoring value: the REINFORCE loss -mean_tokens(A log pi) (plus the KL term's value); the method's
+        logps, entropies, aux = policy_forward(self, model, inputs, compute_entropy=True,
+                                               compute_aux_loss=self.aux_loss_enabled)
+        seed_mask = loss_mask
+        if self.top_entropy_quantile < 1.0:
+            seed_mask = loss_mask * self.get_high_entropy_mask(entropies, loss_mask, 1 - self.top_entropy_quantile)
+        loss = -(logps * seed_mask.to(logps.dtype) / normalizer.to(logps.dtype).unsqueeze(1)).sum()
+        extra_value = self._extra_terms(model, inputs, logps, entropies, aux, loss_mask, normalizer, mode)
+        # Monitoring value: the REINFORCE loss -mean_tokens(A log pi) (plus the extra terms' value); the method's
         # gradient is no scalar loss's, and adding a constant leaves the backward untouched.
-        mask = inputs["completion_mask"].to(logps.dtype)
-        pairs = [-(advantages.to(logps.dtype).unsqueeze(1) * logps * mask).sum(), mask.sum()]
-        pairs += self._surrogate_metrics(inputs, logps, mask)
+        detached, mask = logps.detach(), inputs["completion_mask"].to(logps.dtype)
+        m = loss_mask.to(logps.dtype)
+        pairs = [-(advantages.to(logps.dtype).unsqueeze(1) * detached * mask).sum(), mask.sum(),
+                 (entropies.detach() * m).sum(), m.sum()]  # GRPO's "entropy" metric
+        pairs += self._surrogate_metrics(inputs, detached, mask)
         local = torch.stack([p.to(logps.dtype).reshape(()) for p in pairs])
         totals = self.accelerator.reduce(local.clone(), reduction="sum").tolist()
         self._metrics[mode]["policy_loss"].append(totals[0] / max(totals[1], 1.0))
-        self._log_surrogate_metrics(mode, totals[2:])
+        self._metrics[mode]["entropy"].append(totals[2] / max(totals[3], 1.0))
+        for key in _CLIP_METRICS:  # GRPO logs them for these loss types; without a ratio nothing is clipped
+            self._metrics[mode][key].append(0.0)
+        self._log_surrogate_metrics(mode, totals[4:])
         display = local[0] / local[1].clamp(min=1.0)
         if mode == "train":
             display = display / self.current_gradient_accumulation_steps
         return loss + (display + extra_value - loss.detach())
 
-    def _extra_terms(self, model, inputs, mask, normalizer, mode):
+    def _extra_terms(self, model, inputs, logps, entropies, aux, mask, normalizer, mode):
         """The KL term, TRL's entropy bonus (on the tokens the seed acts on) and the router aux loss, summed and taken
         as one ordinary gradient (one extra backward pass over the same graph); returns their (detached) value."""
         extra = []
         if self.beta != 0.0:
-            extra.append(self._kl_term(inputs, mask, normalizer, mode))
+            extra.append(self._kl_term(inputs, logps, mask, normalizer, mode))
         if entropy_bonus_enabled(self.args):
-            entropies, bonus_mask = self._surrogate_entropies, mask
-            if self.top_entropy_quantile < 1.0:  # the same mask GRPO's loss applied to the seed
+            bonus_mask = mask
+            if self.top_entropy_quantile < 1.0:  # the same mask the seed carries
                 bonus_mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
             extra.append(entropy_bonus_term(self, entropies, bonus_mask, mode))
         if self.aux_loss_enabled:
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            extra.append(self.router_aux_loss_coef * self._surrogate_aux / accumulation)
+            extra.append(self.router_aux_loss_coef * aux / accumulation)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
         if not extra:
             return 0.0
         total = sum(t.reshape(()) for t in extra)
@@ -172,10 +175,10 @@ class SurrogateLossMixin:
             self._surrogate_kl.take(total, params, self._surrogate_backward)
         return total.detach()
 
-    def _kl_term(self, inputs, mask, normalizer, mode):
+    def _kl_term(self, inputs, logps, mask, normalizer, mode):
         """beta x TRL's k3 KL to the reference model (`kl.k3_per_token`), normalized like the loss_type;
         differentiable. Logs GRPO's "kl" metric."""
-        per_token = k3_per_token(self._surrogate_logps, inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
+        per_token = k3_per_token(logps, inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
                                  self.args.use_bias_correction_kl)  # fmt: skip
         m = mask.to(per_token.dtype)
         totals = self.accelerator.reduce(torch.stack([(per_token.detach() * m).sum(), m.sum()]), reduction="sum")
@@ -192,6 +195,4 @@ class SurrogateLossMixin:
         skip = getattr(self, "_surrogate_old_logps_skip", None)  # None while GRPOTrainer.__init__ runs
         if skip is not None and skip.take(self, model):
             return None, None, None  # old_per_token_logps = None: the loss then uses sg(log pi), ratio 1
-        out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        self._surrogate_logps, self._surrogate_entropies, self._surrogate_aux = out
-        return out
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 from proma_steps import F64, make_trainer, micro_batches, oracle_step_grads, per_sequence_data, run_step  # noqa: E402
 from proma_oracle import assert_matches  # noqa: E402
 
-from trl_isopo.isopo.kl import k3_per_token  # noqa: E402
+from trl_isopo.grpo_terms import k3_per_token  # noqa: E402
 from trl_isopo.proma import PROMAConfig, PROMATrainer  # noqa: E402
 from math_settings import proma_settings  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 from tpo_support import base_args, two_proc
 
 from trl_isopo import TPOConfig, TPOTrainer
-from trl_isopo.entropy_bonus import entropy_bonus_term
+from trl_isopo.grpo_terms import entropy_bonus_term
 from trl_isopo.tiny import build_tiny_causal_lm, tiny_prompt_dataset, tiny_reward
 from trl_isopo.tpo.scores import batch_population_std, combine_rewards, scores_to_u
 

@@ -76,7 +76,7 @@ def set_logprob_kernel(kernel) -> None:
 # ----------------------------------------------------------------------------- the entropy bonus's controller
 # GRPOTrainer keeps the adaptive controller's state in two private attributes and saves / restores
 # `_last_world_entropy` with `entropy_coef` in its checkpoints (`entropy_ctrl_state.json`): writing the same
-# attributes keeps resuming exact for trainers that compute the bonus themselves (entropy_bonus.py).
+# attributes keeps resuming exact for trainers that compute the bonus themselves (grpo_terms.py).
 def entropy_controller_state(trainer) -> tuple[float, torch.Tensor | None]:
     """(entropy measured over the previous optimizer step, this step's (sum, count) so far or None)."""
     return trainer._last_world_entropy, trainer._entropy_window_stats

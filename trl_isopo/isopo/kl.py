@@ -1,8 +1,7 @@
 """The KL-to-reference term (`beta > 0`) of ISOPOTrainer, added as an ordinary gradient.
 
-Per token, exactly as TRL 1.16's `GRPOTrainer._compute_loss` with beta > 0: k3 = exp(ref - logp) - (ref - logp) - 1,
-times the ratio exp(logp - old) if `use_bias_correction_kl` (old = the rollout's log-probs if TRL kept them, else
-sg(logp): value 1), normalized like the loss_type.
+Per token, exactly as TRL 1.16's `GRPOTrainer._compute_loss` with beta > 0 (`grpo_terms.k3_per_token`), normalized
+like the loss_type.
 
 Design (docs/isopo.md, "KL to a reference model"): the covered layers rebuild their weight gradient from the backward
 seed, so the KL seed must not reach them in the same pass. Its gradient is taken right after the forward by
@@ -16,16 +15,6 @@ reducer sees exactly one backward pass.
 from __future__ import annotations
 
 import torch
-
-
-def k3_per_token(logps: torch.Tensor, ref: torch.Tensor, old: torch.Tensor | None, bias_correction: bool):
-    """(B, C) TRL's k3 estimate of KL(pi || ref) per token; with `bias_correction`, times exp(logp - old) (old None:
-    sg(logp), the ratio's value 1)."""
-    per_token = torch.exp(ref - logps) - (ref - logps) - 1
-    if bias_correction:
-        old = logps.detach() if old is None else old
-        per_token = per_token * torch.exp(logps - old)
-    return per_token
 
 
 class KLGradients:

@@ -26,8 +26,8 @@ import torch
 from transformers.utils import logging
 
 from ..compat import OldLogpsSkip, policy_forward
-from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
-from .kl import KLGradients, k3_per_token
+from ..grpo_terms import aux_loss_term, entropy_bonus_enabled, entropy_bonus_term, k3_per_token
+from .kl import KLGradients
 from .micro_batch import MicroBatch
 from .normalizer import loss_normalizer
 
@@ -164,9 +164,7 @@ class SurrogateLossMixin:
                 bonus_mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
             extra.append(entropy_bonus_term(self, entropies, bonus_mask, mode))
         if self.aux_loss_enabled:
-            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-            extra.append(self.router_aux_loss_coef * aux / accumulation)
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux.detach()).mean().item())
+            extra.append(aux_loss_term(self, aux, mode))
         if not extra:
             return 0.0
         total = sum(t.reshape(()) for t in extra)
@@ -176,7 +174,7 @@ class SurrogateLossMixin:
         return total.detach()
 
     def _kl_term(self, inputs, logps, mask, normalizer, mode):
-        """beta x TRL's k3 KL to the reference model (`kl.k3_per_token`), normalized like the loss_type;
+        """beta x TRL's k3 KL to the reference model (`grpo_terms.k3_per_token`), normalized like the loss_type;
         differentiable. Logs GRPO's "kl" metric."""
         per_token = k3_per_token(logps, inputs["ref_per_token_logps"], inputs.get("old_per_token_logps"),
                                  self.args.use_bias_correction_kl)  # fmt: skip

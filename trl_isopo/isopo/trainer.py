@@ -14,7 +14,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..compat import check_grpo_hooks, check_grpo_state
-from ..entropy_bonus import entropy_bonus_enabled
+from ..grpo_terms import entropy_bonus_enabled
 from ..vllm_cpu import apply_cpu_weight_sync
 from .checkpoint import load_isopo_state, save_isopo_state
 from .config import ISOPOConfig

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from trl.models.utils import disable_gradient_checkpointing
 
+from ..compat import policy_forward
 from .grouping import splits_groups
 from .target import sequence_logps, tpo_group_stats, tpo_row_coefficients
 
@@ -57,13 +58,28 @@ def gather_groups(accelerator, rows: torch.Tensor, tensors, group_size: int) -> 
 
 
 class SplitGroupsMixin:
-    """TPOTrainer's split-group steps (needs its `_tpo_forward`, `_loss_mask` and `_tpo_metrics`)."""
+    """TPOTrainer's split-group steps (needs its `_loss_mask`, `_tpo_build_targets` and `_tpo_metrics`)."""
 
     def _tpo_splits_groups(self, mode) -> bool:
         """Whether this mode's micro-batches cut groups (then every member carries its loss coefficient)."""
         if mode == "train":
             return splits_groups(self.args.per_device_train_batch_size, self.num_generations)
         return splits_groups(self.args.per_device_eval_batch_size, self.num_generations_eval)
+
+    def _tpo_split_targets(self, output, old_logps, non_empty, scores, score_scale, group_size, mode):
+        """The targets of this process's rows (q (B,), valid (B,)) of the generation batch `output`, from the whole
+        groups gathered over processes: `old_logps` (B,) this process's p_old sequence log-probs; `non_empty`,
+        `scores`, `score_scale` (N,) every process's. Every member's loss coefficient is fixed here: the parameters do
+        not move before the loss uses them (`grouping.group_batch_size_error`), so p_old == p_theta there."""
+        rows = old_logps.shape[0]
+        local = slice(self.accelerator.process_index * rows, (self.accelerator.process_index + 1) * rows)
+        old_g, q, valid, sums = self._tpo_build_targets(
+            self.accelerator.gather(old_logps), non_empty, scores, group_size, score_scale
+        )
+        self._tpo_metrics.log_target(self.accelerator, self._metrics[mode], sums, reduce=False)
+        output["tpo_row"] = torch.arange(q.numel(), device=q.device)[local]  # the row in the gathered batch
+        self._tpo_set_coefficients([output], old_g, q, valid, mode)
+        return q.reshape(-1)[local], valid.reshape(-1)[local]
 
     def _tpo_set_coefficients(self, batches, logps, q, valid, mode) -> None:
         """Give every member in `batches` (micro-batches with `tpo_row`) its `tpo_coef` and `tpo_row_ce` from the whole
@@ -83,7 +99,7 @@ class SplitGroupsMixin:
         frozen). A collective."""
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps = [
-                sequence_logps(self._tpo_forward(self.model, b)[0], self._loss_mask(b), self.args.tpo_length_normalize)
+                sequence_logps(policy_forward(self, self.model, b)[0], self._loss_mask(b), self.args.tpo_length_normalize)
                 for b in batches
             ]
         logps, q, valid = gather_groups(

@@ -38,8 +38,8 @@ from trl.extras.profiling import profiling_decorator
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, shuffle_sequence_dict
 
-from ..compat import FORWARD_KEYS, buffered_inputs, check_grpo_hooks, check_grpo_state
-from ..entropy_bonus import entropy_bonus_enabled, entropy_bonus_term
+from ..compat import buffered_inputs, check_grpo_hooks, check_grpo_state, policy_forward
+from ..grpo_terms import aux_loss_term, entropy_bonus_enabled, entropy_bonus_term, k3_per_token
 from ..vllm_cpu import apply_cpu_weight_sync
 from .config import TPOConfig, tpo_unsupported_options
 from .grouping import check_whole_groups, gather_prompts, shuffle_groups, validate_group_batching
@@ -157,24 +157,6 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
         apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
         check_grpo_state(self)
 
-    # ------------------------------------------------------------------ the shared forward
-    def _tpo_forward(self, model, inputs, compute_entropy=False, compute_aux_loss=False, batch_size=None):
-        """(per-token log-probs (B, C), entropies or None, aux loss or None), computed as GRPO's loss does."""
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        return self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            completion_ids.size(1),
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss,
-            **{key: inputs.get(key) for key in FORWARD_KEYS},
-        )
-
     @staticmethod
     def _loss_mask(inputs) -> torch.Tensor:
         mask = inputs["completion_mask"]
@@ -236,27 +218,18 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
                 self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
             )
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                old_per_token_logps, _, _ = self._tpo_forward(self.model, output, batch_size=batch_size)
+                old_per_token_logps, _, _ = policy_forward(self, self.model, output, batch_size=batch_size)
             output["old_per_token_logps"] = old_per_token_logps
         mask = self._loss_mask(output)
         old_logps = sequence_logps(old_per_token_logps.detach(), mask, self.args.tpo_length_normalize)
-        metrics = self._metrics[mode]
-        if not split:
+        if split:
+            q, valid = self._tpo_split_targets(output, old_logps, non_empty, scores, score_scale, group_size, mode)
+        else:
             _, q, valid, sums = self._tpo_build_targets(
                 old_logps, non_empty[local], scores[local], group_size, output.get("tpo_score_scale")
             )
-            self._tpo_metrics.log_target(self.accelerator, metrics, sums)
+            self._tpo_metrics.log_target(self.accelerator, self._metrics[mode], sums)
             q, valid = q.reshape(-1), valid.reshape(-1)
-        else:
-            # Every group member's loss coefficient is fixed here, from the whole group gathered over processes; the
-            # parameters do not move before the loss uses them (group_batch_size_error), so p_old == p_theta there.
-            old_g, q, valid, sums = self._tpo_build_targets(
-                self.accelerator.gather(old_logps), non_empty, scores, group_size, score_scale
-            )
-            self._tpo_metrics.log_target(self.accelerator, metrics, sums, reduce=False)
-            output["tpo_row"] = torch.arange(q.numel(), device=device)[local]  # the row in the gathered batch
-            self._tpo_set_coefficients([output], old_g, q, valid, mode)
-            q, valid = q.reshape(-1)[local], valid.reshape(-1)[local]
         output["tpo_targets"] = q
         output["tpo_valid_mask"] = valid
         return output
@@ -319,9 +292,8 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
                 "TPOTrainer._compute_loss needs a batch from TPOTrainer._prepare_inputs: it carries `tpo_scores` and, "
                 "unless p_old is taken from the loss forward itself, `tpo_targets` and `tpo_valid_mask`."
             )
-        per_token_logps, entropies, aux_loss = self._tpo_forward(
-            model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
-        )
+        per_token_logps, entropies, aux_loss = policy_forward(self, model, inputs, compute_entropy=True,
+                                                              compute_aux_loss=self.aux_loss_enabled)
         if inputs.get("tpo_targets") is None:
             # Reuse path: the parameters are the rollout-time ones, so p_old is this forward's own (detached) output.
             # Written back into the micro-batch so that callbacks see the same keys as on the recompute path.
@@ -357,15 +329,9 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
         loss = policy_loss / normalizer
 
         m = mask.bool()
-        if self.beta != 0.0:
-            ref = inputs["ref_per_token_logps"]
-            diff = torch.where(m, ref - per_token_logps, torch.zeros_like(per_token_logps))
-            per_token_kl = torch.exp(diff) - diff - 1
-            if self.args.use_bias_correction_kl:  # as GRPO: importance-weight the k3 estimator
-                old = inputs["old_per_token_logps"]
-                log_ratio = torch.where(m, per_token_logps - old, torch.zeros_like(per_token_logps))
-                per_token_kl = per_token_kl * torch.exp(log_ratio)
-            per_token_kl = torch.where(m, per_token_kl, torch.zeros_like(per_token_kl))
+        if self.beta != 0.0:  # GRPO's k3 KL, as its "grpo" loss_type normalizes it: per sequence, then the mean
+            per_token_kl = k3_per_token(per_token_logps, inputs["ref_per_token_logps"], inputs["old_per_token_logps"],
+                                        self.args.use_bias_correction_kl, mask=m)
             kl_per_seq = per_token_kl.sum(-1) / m.sum(-1).clamp(min=1)
             loss = loss + self.beta * kl_per_seq.mean() / normalizer
 
@@ -374,8 +340,7 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
             loss = loss + entropy_bonus_term(self, entropies, bonus_mask, mode)
 
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+            loss = loss + aux_loss_term(self, aux_loss, mode)
 
         # Metrics. Every collective below runs on every rank, in the same order. Split groups logged the group
         # metrics once per generation batch, where every group is whole.

@@ -1,5 +1,9 @@
-"""GRPOConfig's entropy bonus (`entropy_coef`, `use_adaptive_entropy`) for trainers that replace
-`GRPOTrainer._compute_loss`, with TRL 1.16's definition.
+"""The terms GRPO adds to its policy loss, with TRL 1.16's definitions, for the trainers that write their own loss
+(ISOPO's and PROMA's surrogate, TPO): the k3 KL to the reference model (`beta > 0`), the entropy bonus
+(`entropy_coef`, `use_adaptive_entropy`) and the MoE router's aux loss.
+
+k3, per token: exp(ref - logp) - (ref - logp) - 1, times exp(logp - old) with `use_bias_correction_kl` (old: the
+rollout's log-probs, or sg(logp), value 1, when TRL skipped them).
 
 TRL defines the bonus independently of the loss type: the objective is L - c * H, H the mean per-token entropy of the
 policy over the tokens the policy loss acts on (completion tokens, times the high-entropy mask when
@@ -18,7 +22,35 @@ import torch
 
 from .compat import entropy_controller_state, set_entropy_controller_state
 
-__all__ = ["entropy_bonus_enabled", "entropy_bonus_term"]
+__all__ = ["aux_loss_term", "entropy_bonus_enabled", "entropy_bonus_term", "k3_per_token"]
+
+
+def k3_per_token(logps: torch.Tensor, ref: torch.Tensor, old: torch.Tensor | None, bias_correction: bool,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, C) TRL's k3 estimate of KL(pi || ref) per token from the policy's, the reference's and (with
+    `bias_correction`) the rollout's per-token log-probs, each (B, C); old None: sg(logps). With a bool `mask` (B, C)
+    the masked-out tokens are 0 and never pass through exp (padding may hold any log-prob)."""
+    if mask is None:
+        per_token = torch.exp(ref - logps) - (ref - logps) - 1  # TRL's expression, operation for operation
+    else:
+        diff = torch.where(mask, ref - logps, torch.zeros_like(logps))
+        per_token = torch.exp(diff) - diff - 1
+    if bias_correction:
+        log_ratio = logps - (logps.detach() if old is None else old)
+        if mask is not None:
+            log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+        per_token = per_token * torch.exp(log_ratio)
+    if mask is not None:
+        per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    return per_token
+
+
+def aux_loss_term(trainer, aux: torch.Tensor, mode: str) -> torch.Tensor:
+    """`router_aux_loss_coef * aux / accumulation`, the MoE router's load-balancing loss as GRPO adds it, and GRPO's
+    "aux_loss" metric (a gather: call on every process)."""
+    accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux.detach()).mean().item())
+    return trainer.router_aux_loss_coef * aux / accumulation
 
 
 def entropy_bonus_enabled(args) -> bool:

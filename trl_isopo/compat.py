@@ -28,7 +28,8 @@ TRL_SERIES = "1.16"  # the TRL release series this seam was written and tested a
 
 def broken(assumption: str) -> str:
     """The message of a failed assumption: which TRL broke what, and where the seam is."""
-    return f"TRL {trl.__version__} no longer {assumption} (trl-isopo is written for TRL {TRL_SERIES}.x; see trl_isopo/compat.py)"
+    return (f"TRL {trl.__version__} no longer {assumption} (trl-isopo is written for TRL {TRL_SERIES}.x; see "
+            "trl_isopo/compat.py)")
 
 
 # -------------------------------------------------------------------------------------------------- transformers

@@ -22,8 +22,8 @@ def surrogate_config_errors(args, method: str, entropy_bonus: bool) -> list[str]
     (`entropy_coef`, `use_adaptive_entropy`, `top_entropy_quantile`)."""
     errors = []
     if args.loss_type not in SURROGATE_LOSS_TYPES:
-        errors.append(f"loss_type={args.loss_type!r} is a ratio transform {method} does not use; choose a normalization "
-                      f"from {SURROGATE_LOSS_TYPES} (default 'bnpo', the reference's token mean).")
+        errors.append(f"loss_type={args.loss_type!r} is a ratio transform {method} does not use; choose a "
+                      f"normalization from {SURROGATE_LOSS_TYPES} (default 'bnpo', the reference's token mean).")
     if args.beta < 0.0:
         errors.append(f"beta (the KL-to-reference coefficient) must be >= 0 (got {args.beta}).")
     if args.beta != 0.0 and args.gradient_checkpointing and (args.gradient_checkpointing_kwargs or {}).get(

@@ -19,19 +19,19 @@ ROUTES = ("auto", "gram", "mat")
 DEFAULT_BUDGET_BYTES = 256 * 2**20
 # The materialized route is memory-bound: V (B, d_out, d_in) is written once and read twice (norms, final sum). Each
 # float streamed is charged this many multiply-accumulates (about peak MAC rate / float bandwidth of one CPU core;
-# larger on GPUs). With 16, "auto" measured best-or-tied on 896/4864-wide layers at 8 x 256 tokens (docs/isopo.md).
+# larger on GPUs). The value is the one with which "auto" picked the faster route on the benchmark's layers
+# (docs/isopo.md, "Cost").
 MAT_MACS_PER_FLOAT = 16
 MAT_PASSES_OVER_V = 3
 # Symmetric Gram blocks are computed as row blocks [t0, t0 + TRI_ROWS) against columns [t0, L): about half of the
 # full products once L spans several blocks, while each block GEMM stays large enough to run at full speed.
 TRI_ROWS = 64
-# GEMMs against the Fisher sample run far slower for sample sizes that are not a multiple of 8 (CPU, measured:
-# (2048 x 4864) @ (4864 x S) takes 123 ms at S = 250 and 88 ms at S = 256), so the sample is zero-padded to one.
+# GEMMs against the Fisher sample run far slower on CPU for sample sizes that are not a multiple of 8 (timings in
+# docs/isopo.md, "Cost"), so the sample is zero-padded to one.
 SAMPLE_MULTIPLE = 8
 # On a device without float32-output half GEMMs (CPU), cost of one MAC of the upcast float32 statistics relative to
-# one MAC of the half weight-gradient GEMM that autograd (and ISOPO's final GEMM) runs. Measured with torch 2.13 on
-# an AVX512-BF16 CPU core: (4864 x 2048) @ (2048 x 896) 203 ms float32 vs 94 ms bf16; the batched per-sequence
-# (8, 4864, 256) @ (8, 256, 896) 314 vs 118 ms. It makes "auto" prefer the route whose float32 work is smallest.
+# one MAC of the half weight-gradient GEMM that autograd (and ISOPO's final GEMM) runs (about 2 on an AVX512-BF16 CPU
+# core; docs/isopo.md, "Cost"). It makes "auto" prefer the route whose float32 work is smallest.
 UPCAST_GEMM_COST = 2.0
 
 

@@ -51,8 +51,8 @@ class MicroBatch:
         A bitwise AND of the values' bits with a per-row mask of all ones (valid) or zeros (padding), not a product
         with the mask: padding rows may hold NaN, and valid rows keep their exact bits. Always a copy, from the
         mask alone: an index list of the padding rows (`nonzero`) or a "no padding" shortcut would read the mask on
-        the host. On CPU this measured as fast as the former copy and index fill (2048 x 896 floats: 0.28 ms against
-        0.44), where `torch.where` / `masked_fill` with a broadcast mask took 1.0-2.3 ms.
+        the host. On CPU it is faster than a copy with an index fill or a broadcast `masked_fill` (timings in
+        docs/isopo.md, "Cost").
         """
         bits = _BITS[dt]
         keep = self._cached(  # (B, L, 1): -1 (every bit set) at valid positions, 0 at padding

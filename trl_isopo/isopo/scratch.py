@@ -11,9 +11,9 @@ class Scratch:
     """Reusable storage for the large per-layer temporaries (materialized V, Fisher sample rows) of one backward pass.
 
     Every layer of a model asks for buffers of the same few shapes. On CPU each fresh allocation above glibc's mmap
-    threshold comes from new pages, and faulting them in costs about as much as the GEMM that fills them (measured:
-    a batched (8, 4864, 256) x (8, 256, 896) product, 301 ms fresh vs 224 ms into reused storage), so layers share one
-    buffer per slot. The owner drops it (`clear`) when the backward pass ends.
+    threshold comes from new pages, and faulting them in costs a sizeable part of the GEMM that fills them (timings
+    in docs/isopo.md, "Cost"), so layers share one buffer per slot. The owner drops it (`clear`) when the backward
+    pass ends.
     """
 
     def __init__(self):

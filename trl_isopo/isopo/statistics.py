@@ -144,8 +144,8 @@ def sequence_statistics(
 
 def gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, slot: str) -> torch.Tensor:
     """Rows `index` of T (B, L, d) flattened to (B*L, d), zero-padded to a multiple of SAMPLE_MULTIPLE rows (zero
-    rows give u[:, j] = 0, leaving the numerator exact). `index_select` into the padded buffer: advanced indexing
-    plus `cat` measured 10x slower on CPU (2.3 + 3.4 ms vs 0.25 ms for 250 rows of 4864)."""
+    rows give u[:, j] = 0, leaving the numerator exact). `index_select` into the padded buffer, far faster on CPU than
+    advanced indexing plus `cat` (docs/isopo.md, "Cost")."""
     n, d = index.numel(), T.shape[-1]
     rows = gathered_rows(n)
     out = T.new_empty(rows, d) if scratch is None else scratch.get(slot, (rows, d), T.dtype, T.device)
@@ -159,9 +159,9 @@ def gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, s
 def row_gram(Vf: torch.Tensor) -> torch.Tensor:
     """Vf Vf^T for Vf (B, n) with n up to d_in * d_out, as a sum of (B, ROW_GRAM_BLOCK) block products.
 
-    One GEMM with an inner dimension of millions accumulates each entry in one long float32 sum: measured relative
-    error 5e-4 at n = 4.4M (896 x 4864, random V), and 3x the time of the blocked form on CPU (blocks of 8192:
-    7.5e-8 and 27 ms, of 65536: 9.4e-7 and 28-32 ms; a pass that only reads V, its norms, takes 13 ms).
+    One GEMM with an inner dimension of millions accumulates each entry in one long float32 sum: relative error 5e-4
+    at n = 4.4M (896 x 4864, random V) against 7.5e-8 for blocks of 8192, and slower on CPU than the blocked form
+    (docs/isopo.md, "Cost").
     """
     B, n = Vf.shape
     m = n // ROW_GRAM_BLOCK

@@ -98,10 +98,9 @@ class SplitGroupsMixin:
         p_theta - q at the current parameters from one no-grad forward of its micro-batches `batches` (q stays
         frozen). A collective."""
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps = [
-                sequence_logps(policy_forward(self, self.model, b)[0], self._loss_mask(b), self.args.tpo_length_normalize)
-                for b in batches
-            ]
+            normalize = self.args.tpo_length_normalize
+            logps = [sequence_logps(policy_forward(self, self.model, b)[0], self._loss_mask(b), normalize)
+                     for b in batches]
         logps, q, valid = gather_groups(
             self.accelerator,
             torch.cat([b["tpo_row"] for b in batches]),

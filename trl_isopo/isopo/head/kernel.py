@@ -18,7 +18,7 @@ Triton kernel) and TRL's float32-accumulating GEMM helper, in TRL's loop order. 
 differs: the hidden rows pre-multiplied by the scale (one product in float32, or float64 for float64 inputs, rounded
 once to the compute dtype). Elsewhere (CPU) the fold is `backward_tile_inplace`: TRL's torch fold, the same float32
 operations per element in the same order, written as in-place passes over the tile (TRL's allocates about six
-tile-sized temporaries per tile; on the real model's 49k-token vocabulary that cost an ISOPO step ~10 s, measured).
+tile-sized temporaries per tile: docs/isopo.md, "Cost").
 With row_scale = 1 every output and gradient is bit-identical to TRL's; `tests/test_isopo_fused_head.py` checks this
 and the scaled gradients against TRL called with scaled incoming gradients and a dense float64 reference. TRL is
 pinned to 1.16.x, whose kernel exposes these pieces (`trl_isopo.compat`); a TRL without them fails at import with the

@@ -168,7 +168,6 @@ FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention
                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-
 def policy_forward(trainer, model, inputs, compute_entropy=False, compute_aux_loss=False, batch_size=None):
     """(per-token log-probs (B, C), entropies (B, C) or None, aux loss or None) of the completions in `inputs` (a
     micro-batch of GRPOTrainer's), through `trainer._get_per_token_logps_and_entropies` called as GRPOTrainer's own

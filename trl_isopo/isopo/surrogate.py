@@ -132,7 +132,7 @@ class SurrogateLossMixin:
         if self.top_entropy_quantile < 1.0:
             seed_mask = loss_mask * self.get_high_entropy_mask(entropies, loss_mask, 1 - self.top_entropy_quantile)
         loss = -(logps * seed_mask.to(logps.dtype) / normalizer.to(logps.dtype).unsqueeze(1)).sum()
-        extra_value = self._extra_terms(model, inputs, logps, entropies, aux, loss_mask, normalizer, mode)
+        extra_value = self._extra_terms(model, inputs, logps, entropies, aux, loss_mask, seed_mask, normalizer, mode)
         # Monitoring value: the REINFORCE loss -mean_tokens(A log pi) (plus the extra terms' value); the method's
         # gradient is no scalar loss's, and adding a constant leaves the backward untouched.
         detached, mask = logps.detach(), inputs["completion_mask"].to(logps.dtype)
@@ -152,17 +152,15 @@ class SurrogateLossMixin:
             display = display / self.current_gradient_accumulation_steps
         return loss + (display + extra_value - loss.detach())
 
-    def _extra_terms(self, model, inputs, logps, entropies, aux, mask, normalizer, mode):
-        """The KL term, TRL's entropy bonus (on the tokens the seed acts on) and the router aux loss, summed and taken
-        as one ordinary gradient (one extra backward pass over the same graph); returns their (detached) value."""
+    def _extra_terms(self, model, inputs, logps, entropies, aux, mask, seed_mask, normalizer, mode):
+        """The KL term (on `mask`), TRL's entropy bonus (on `seed_mask`, the tokens the seed acts on) and the router
+        aux loss, summed and taken as one ordinary gradient (one extra backward pass over the same graph); returns
+        their (detached) value."""
         extra = []
         if self.beta != 0.0:
             extra.append(self._kl_term(inputs, logps, mask, normalizer, mode))
         if entropy_bonus_enabled(self.args):
-            bonus_mask = mask
-            if self.top_entropy_quantile < 1.0:  # the same mask the seed carries
-                bonus_mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-            extra.append(entropy_bonus_term(self, entropies, bonus_mask, mode))
+            extra.append(entropy_bonus_term(self, entropies, seed_mask, mode))
         if self.aux_loss_enabled:
             extra.append(aux_loss_term(self, aux, mode))
         if not extra:

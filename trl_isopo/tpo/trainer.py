@@ -330,8 +330,8 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
 
         m = mask.bool()
         if self.beta != 0.0:  # GRPO's k3 KL, as its "grpo" loss_type normalizes it: per sequence, then the mean
-            per_token_kl = k3_per_token(per_token_logps, inputs["ref_per_token_logps"], inputs["old_per_token_logps"],
-                                        self.args.use_bias_correction_kl, mask=m)
+            per_token_kl = k3_per_token(per_token_logps, inputs["ref_per_token_logps"],
+                                        inputs.get("old_per_token_logps"), self.args.use_bias_correction_kl, mask=m)
             kl_per_seq = per_token_kl.sum(-1) / m.sum(-1).clamp(min=1)
             loss = loss + self.beta * kl_per_seq.mean() / normalizer
 

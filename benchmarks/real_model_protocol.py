@@ -1,4 +1,4 @@
-"""The M-steps protocol on the real model (docs/real-model.md, "M optimizer steps per rollout"): run, pick, analyze.
+"""The M-steps protocol on the real model (docs/real-model-results.md, "M optimizer steps per rollout"): run, pick, analyze.
 
 Every run trains one method at one learning rate, seed and M (optimizer steps per rollout) on the same rollouts
 budget (`trl_isopo.real.protocol.Protocol`: 8 rollouts of 8 prompts x 8 completions, full weights, 128 held-out

@@ -164,7 +164,7 @@ def documented_budget_gib() -> float:
 @pytest.mark.parametrize("method", ["isopo", "tpo"])
 def test_main_job_peak_stays_within_the_documented_budget(tmp_path, method):
     """`trl-isopo real` with its defaults, 2 of its optimizer steps (the same micro-batches, rollout shape and
-    allocator as the whole job; peaks of the 16-step job are in docs/real-model.md): its peak resident memory
+    allocator as the whole job; peaks of the 16-step job are in docs/real-model-results.md): its peak resident memory
     (`ru_maxrss` of the process, from `wait4`) stays within 1.2x the documented budget."""
     pytest.importorskip("gguf")
     cmd = [sys.executable, "-m", "trl_isopo.cli", "real", "--method", method, "--steps", "2", "--eval-size", "16",

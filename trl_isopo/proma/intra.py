@@ -72,7 +72,7 @@ def masked_rows_times(
     step = _chunk_rows(B, L, d, k, Q.dtype, budget_bytes)
     for l0 in range(0, L, step):
         Tc = T[:, l0 : l0 + step].to(Q.dtype).reshape(-1, d)
-        # (Q^T Tc^T)^T: measured up to 1.6x faster on CPU than Tc @ Q when k is not a multiple of 16 (k = 30)
+        # (Q^T Tc^T)^T: the CPU GEMM runs this faster than Tc @ Q when k is not a multiple of 16
         out[:, l0 : l0 + step] = (Qt @ Tc.T).T.reshape(B, -1, k)
     return torch.where(mask.unsqueeze(-1), out, 0.0)
 
@@ -85,7 +85,7 @@ def rows_transpose_times(T: torch.Tensor, Z: torch.Tensor, budget_bytes: int = D
     step = _chunk_rows(B, L, d, k, Z.dtype, budget_bytes)
     for l0 in range(0, L, step):
         Tc = T[:, l0 : l0 + step].to(Z.dtype).reshape(-1, d)
-        out += Z[:, l0 : l0 + step].reshape(-1, k).T @ Tc  # (k, d): measured 4x faster on CPU than Tc^T @ Z
+        out += Z[:, l0 : l0 + step].reshape(-1, k).T @ Tc  # (k, d): faster on CPU than Tc^T @ Z
     return out.T
 
 

@@ -132,7 +132,7 @@ def report(record: dict) -> str:
         f"{'rollouts' if s.get('steps_per_rollout', 1) > 1 else 'steps'}: "
         f"{_mean(record['rewards'][:5]):.3f} / {_mean(record['rewards'][-5:]):.3f}",
         f"train {record['train_seconds']:.0f} s ({_median(record['step_seconds']):.1f} s per step), "
-        f"evaluation {record['eval_seconds']:.0f} s; one seed ({s['seed']}): docs/real-model.md has seeds and baselines",
+        f"evaluation {record['eval_seconds']:.0f} s; one seed ({s['seed']}): docs/real-model-results.md has seeds and baselines",
     ]
     if s["task"]["name"] == "chain_sum":
         lines.append("(task score: 1 for the right number, 0.5 for the right number with the wrong sign, else 0)")

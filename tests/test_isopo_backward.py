@@ -14,13 +14,14 @@ from trl_isopo.isopo.head import FusedHeadInterception
 from trl_isopo.isopo.isopo_backward import ISOPOBackward
 from math_settings import isopo_settings
 from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise import MethodName
 
 
 class PlainBackward(LayerBackward):
     """A second method through the extension point: the ordinary gradient, times a per-sequence factor."""
 
     def __init__(self, factor):
-        super().__init__()
+        super().__init__(MethodName(title="Plain", prefix="plain"))
         self.factor = factor
 
     def layer_grads(self, name, x, g, mb, has_bias):

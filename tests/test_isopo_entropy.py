@@ -245,6 +245,7 @@ def test_leaf_rule_allows_parameter_free_children_only():
     """A module owning parameters may have children (an activation) as long as none of them owns trainable ones."""
     from torch import nn
 
+    from trl_isopo.isopo.isopo_backward import ISOPO
     from trl_isopo.isopo.other_params import check_leaf_module
 
     class Experts(nn.Module):
@@ -253,11 +254,11 @@ def test_leaf_rule_allows_parameter_free_children_only():
             self.w = nn.Parameter(torch.zeros(2, 3))
             self.child = child
 
-    check_leaf_module("experts", Experts(nn.SiLU()))
+    check_leaf_module("experts", Experts(nn.SiLU()), ISOPO)
     frozen = nn.Linear(3, 3).requires_grad_(False)
-    check_leaf_module("experts", Experts(frozen))
+    check_leaf_module("experts", Experts(frozen), ISOPO)
     with pytest.raises(ValueError, match="sub-modules that do too"):
-        check_leaf_module("experts", Experts(nn.Linear(3, 3)))
+        check_leaf_module("experts", Experts(nn.Linear(3, 3)), ISOPO)
 
 
 # ================================================================================================ training runs
@@ -327,13 +328,14 @@ def _two_process_main(out: str):  # run by `accelerate launch` on this file
 
 def test_extra_terms_follow_the_kl_sharding_rule():
     """The bonus and the aux loss take the KL term's extra pass, so they are refused where beta > 0 is."""
+    from trl_isopo.isopo.isopo_backward import ISOPO
     from trl_isopo.isopo.support import unsupported_sharding
 
     for args in ((True, True, 0), (False, False, 2), (False, False, 1)):  # FSDP2, ZeRO-2, ZeRO-1
         for extra in (("an entropy bonus",), ("a router aux loss",)):
-            assert extra[0] in unsupported_sharding(*args, 0.0, extra)
-        assert unsupported_sharding(*args, 0.0) is None
-    assert unsupported_sharding(False, False, 0, 0.04, ("an entropy bonus", "a router aux loss")) is None  # DDP
+            assert extra[0] in unsupported_sharding(ISOPO, *args, 0.0, extra)
+        assert unsupported_sharding(ISOPO, *args, 0.0) is None
+    assert unsupported_sharding(ISOPO, False, False, 0, 0.04, ("an entropy bonus", "a router aux loss")) is None  # DDP
 
 
 if __name__ == "__main__":

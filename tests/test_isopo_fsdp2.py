@@ -35,12 +35,14 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
 
 
 def test_sharding_rule():
+    from trl_isopo.isopo.isopo_backward import ISOPO
     from trl_isopo.isopo.trainer import unsupported_sharding
 
-    assert unsupported_sharding(False, False, 0, 0.0) is None  # one process / DDP
-    assert unsupported_sharding(False, False, 2, 0.0) is None  # ZeRO-2
-    assert "beta > 0" in unsupported_sharding(False, False, 2, 0.04)  # ZeRO-2 with the KL pass (test_isopo_zero2.py)
-    assert unsupported_sharding(True, True, 0, 0.0) is None  # FSDP2
-    assert "FSDP1" in unsupported_sharding(True, False, 0, 0.0)
-    assert "ZeRO-3" in unsupported_sharding(False, False, 3, 0.0)
-    assert "beta > 0" in unsupported_sharding(True, True, 0, 0.04)
+    assert unsupported_sharding(ISOPO, False, False, 0, 0.0) is None  # one process / DDP
+    assert unsupported_sharding(ISOPO, False, False, 2, 0.0) is None  # ZeRO-2
+    # ZeRO-2 with the KL pass (test_isopo_zero2.py)
+    assert "beta > 0" in unsupported_sharding(ISOPO, False, False, 2, 0.04)
+    assert unsupported_sharding(ISOPO, True, True, 0, 0.0) is None  # FSDP2
+    assert "FSDP1" in unsupported_sharding(ISOPO, True, False, 0, 0.0)
+    assert "ZeRO-3" in unsupported_sharding(ISOPO, False, False, 3, 0.0)
+    assert "beta > 0" in unsupported_sharding(ISOPO, True, True, 0, 0.04)

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layerwise.method import MethodName
 from .head.interception import FusedHeadInterception
 from .micro_batch import MicroBatch
 from .other_params import advantage_weighted_forward, check_leaf_module
@@ -110,9 +111,11 @@ class InputCache:
 
 
 class LayerBackward:
-    """Base of a per-layer backward (see the module docstring); subclasses implement `layer_grads`."""
+    """Base of a per-layer backward (see the module docstring); subclasses implement `layer_grads`. `method`: the
+    method's name in errors (`MethodName`)."""
 
-    def __init__(self):
+    def __init__(self, method: MethodName):
+        self.method = method
         self.layer_index: dict[str, int] = {}  # covered layer name -> index (stable: seeds, EMA keys)
         self.calls: dict[str, int] = {}  # backward calls per module in the open window (a dict update, no tensor op)
         self.inputs = InputCache()
@@ -156,14 +159,14 @@ class LayerBackward:
             if "forward" in module.__dict__:
                 raise ValueError(
                     f"{name} already has an instance-level forward (e.g. accelerate's device_map offload hooks), "
-                    "which ISOPO would replace. Load the model without offloading (no device_map='auto' with "
-                    "CPU/disk offload) for ISOPO training."
+                    f"which {self.method.title} would replace. Load the model without offloading (no "
+                    f"device_map='auto' with CPU/disk offload) for {self.method.title} training."
                 )
             self._patch(module, functools.partial(_covered_forward, self, module, name))
             self.layer_index[name] = len(names)
             names.append(name)
         for name, module in weighted:
-            check_leaf_module(name, module)
+            check_leaf_module(name, module, self.method)
             self._patch(module, advantage_weighted_forward(module.forward, name, self))
         if head_mode is not None:
             self._head = FusedHeadInterception(self, head_mode, head_name)
@@ -258,21 +261,22 @@ class LayerBackward:
         """Raise if the transformed LM head or a covered layer had no backward while others had theirs."""
         head = self._head
         if head is not None and head.mode == "method" and self.calls and head.name not in self.calls:
+            flag = self.method.field("lm_head")
             raise RuntimeError(
-                "ISOPO: isopo_lm_head=True, but the LM head's gradient did not pass through TRL's fused log-prob "
-                "kernel in this micro-batch (the logits were computed another way), so it would not be "
-                "re-weighted. Set isopo_lm_head=False."
+                f"{self.method.title}: {flag}=True, but the LM head's gradient did not pass through TRL's fused "
+                "log-prob kernel in this micro-batch (the logits were computed another way), so it would not be "
+                f"re-weighted. Set {flag}=False."
             )
         missing = self.uncovered_layers()
         if missing:
             # Their weights got an ordinary, reward-free gradient from some other use (e.g. `F.linear(x,
             # layer.weight)` in a custom forward): silently wrong, so stop.
             raise RuntimeError(
-                f"ISOPO: the covered layer(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} had no ISOPO "
-                "backward in this micro-batch while other covered layers did: their weight is used outside the "
-                "module's own forward (a custom forward calling F.linear on it, a tied weight, FSDP1 flat "
-                "parameters), so its gradient would not be re-weighted. Freeze these layers, exclude them from "
-                "the LoRA target_modules, or call the module itself."
+                f"{self.method.title}: the covered layer(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} had "
+                f"no {self.method.title} backward in this micro-batch while other covered layers did: their weight "
+                "is used outside the module's own forward (a custom forward calling F.linear on it, a tied weight, "
+                "FSDP1 flat parameters), so its gradient would not be re-weighted. Freeze these layers, exclude "
+                "them from the LoRA target_modules, or call the module itself."
             )
 
     # ------------------------------------------------------------------------------------------ input masking
@@ -286,8 +290,9 @@ class LayerBackward:
         same input). Autograd's G^T X needs the other finite at padding too."""
         if x.shape[:2] != mb.mask.shape:
             raise RuntimeError(
-                f"ISOPO layer {name} saw inputs of shape {tuple(x.shape)} but the micro-batch mask is "
-                f"{tuple(mb.mask.shape)}: ISOPO needs inputs laid out as (batch, sequence) rows of the text tokens. "
+                f"{self.method.title} layer {name} saw inputs of shape {tuple(x.shape)} but the micro-batch mask is "
+                f"{tuple(mb.mask.shape)}: {self.method.title} needs inputs laid out as (batch, sequence) rows of the "
+                "text tokens. "
                 "Packed / padding-free inputs, vision towers and MoE experts (which see flattened tokens) are not "
                 "supported: freeze those modules or exclude them from the LoRA target_modules."
             )

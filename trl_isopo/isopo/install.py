@@ -1,5 +1,6 @@
-"""Installing ISOPO's backward on a trainer's model: which modules it covers, what the other trainable parameters
-and the LM head get (`isopo_other_params`, `isopo_lm_head`), and the coverage the trainer reports."""
+"""Installing a per-layer backward (ISOPO's, PROMA's) on a trainer's model: which modules it covers, what the other
+trainable parameters and the LM head get (`<method>_other_params`, `<method>_lm_head`), and the coverage the trainer
+reports."""
 
 from __future__ import annotations
 
@@ -13,41 +14,42 @@ from .support import check_vanilla_lora
 logger = logging.get_logger(__name__)
 
 
-def install_isopo(backward, model: torch.nn.Module, *, other_params: str, lm_head: bool = False,
-                  gradient_checkpointing: bool = False, method: str = "ISOPO") -> dict:
+def install_layerwise(backward, model: torch.nn.Module, *, other_params: str, lm_head: bool,
+                      gradient_checkpointing: bool) -> dict:
     """Install `backward` (a `LayerBackward`: ISOPO's or PROMA's) on `model`; `other_params` and `lm_head` say what the
-    other trainable parameters and the LM head get (`isopo_other_params`, `isopo_lm_head`; PROMA's `proma_*`), and
-    `method` names the method in errors. Returns the coverage: counts of covered layers / parameters and of the other
-    trainable ones, their modes, the covered names."""
-    check_vanilla_lora(model)
+    other trainable parameters and the LM head get (the method's `*_other_params`, `*_lm_head`); errors and coverage
+    keys carry the method's name (`backward.method`). Returns the coverage: counts of covered layers / parameters
+    (`<method>_layers`, `<method>_params`) and of the other trainable ones, their modes, the covered names."""
+    method = backward.method
+    check_vanilla_lora(model, method)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
     exclude = frozenset({id(head)} if head is not None else ())
     covered_modules = [m for _, m in coverable_linears(model, exclude)]
     if not covered_modules:
         raise ValueError(
-            f"{method} found no trainable nn.Linear in the model (other than the LM head). Unfreeze linear layers "
-            "or use a LoRA peft_config."
+            f"{method.title} found no trainable nn.Linear in the model (other than the LM head). Unfreeze linear "
+            "layers or use a LoRA peft_config."
         )
     others = other_trainable_modules(model, {id(m) for m in covered_modules}, head)
     head_trainable = head is not None and any(p.requires_grad for p in head.parameters())
-    isopo_head = lm_head
-    if isopo_head and not head_trainable:
+    if lm_head and not head_trainable:
+        flag = method.field("lm_head")
         raise ValueError(
-            "isopo_lm_head=True transforms the LM head's weight gradient, but this model's LM head has no trainable "
-            "parameter (LoRA freezes it). Train the head (full fine-tuning) or set isopo_lm_head=False."
+            f"{flag}=True transforms the LM head's weight gradient, but this model's LM head has no trainable "
+            f"parameter (LoRA freezes it). Train the head (full fine-tuning) or set {flag}=False."
         )
     mode = other_params
     if mode == "frozen":
         for _, module in others:
             module.requires_grad_(False)
-        if head_trainable and not isopo_head:
+        if head_trainable and not lm_head:
             head.requires_grad_(False)
         if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()  # reentrant checkpointing with a frozen embedding
     head_mode = None
-    if head_trainable and (isopo_head or mode == "advantage_weighted"):
-        head_mode = "method" if isopo_head else "advantage_weighted"
+    if head_trainable and (lm_head or mode == "advantage_weighted"):
+        head_mode = "method" if lm_head else "advantage_weighted"
     covered = backward.install(
         model, exclude=exclude, weighted=others if mode == "advantage_weighted" else (),
         head_mode=head_mode, head_name=next((n for n, m in model.named_modules() if m is head), "lm_head"),
@@ -56,18 +58,19 @@ def install_isopo(backward, model: torch.nn.Module, *, other_params: str, lm_hea
     n_other = sum(p.numel() for _, m in others for p in m.parameters(recurse=False) if p.requires_grad or mode == "frozen")
     n_head = sum(p.numel() for p in head.parameters()) if head_trainable else 0
     coverage = {
-        "isopo_layers": len(covered),
-        "isopo_params": n_cov,
+        method.field("layers"): len(covered),
+        method.field("params"): n_cov,
         "other_modules": len(others) + (1 if head_trainable else 0),
         "other_params": n_other + n_head,
         "other_params_mode": mode,
-        "lm_head": "isopo" if isopo_head else (mode if head_trainable else "frozen"),
+        "lm_head": method.prefix if lm_head else (mode if head_trainable else "frozen"),
         "covered": covered,
     }
     logger.info(
-        "ISOPO covers %d linear layers (%d parameters); %d other trainable modules (%d parameters, incl. LM head: "
+        "%s covers %d linear layers (%d parameters); %d other trainable modules (%d parameters, incl. LM head: "
         "%s) get %s gradients.",
-        coverage["isopo_layers"],
+        method.title,
+        len(covered),
         n_cov,
         coverage["other_modules"],
         coverage["other_params"],

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layerwise.method import MethodName
 from .backward import LayerBackward
 from .ema import EMAStatistics
 from .head.isopo import ISOPOHead
@@ -63,12 +64,15 @@ class ISOPOSettings:
         return self.interacting or self.q != 0 or self.r != 0 or not self.needs_fisher
 
 
+ISOPO = MethodName(title="ISOPO", prefix="isopo")
+
+
 class ISOPOBackward(LayerBackward):
     """ISOPO's per-layer backward (see the module docstring). `weight_override`: a test hook, (name, A) -> (B,)
     coefficients used instead of the computed ones (e.g. all ones: plain autograd)."""
 
     def __init__(self, settings: ISOPOSettings, ema: EMAStatistics | None = None):
-        super().__init__()
+        super().__init__(ISOPO)
         self.settings = settings
         self.ema = EMAStatistics(settings.ema_decay) if ema is None else ema
         self.metrics = StepMetrics()

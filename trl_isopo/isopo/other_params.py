@@ -25,6 +25,8 @@ import functools
 import torch
 import torch.nn as nn
 
+from ..layerwise.method import MethodName
+
 OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
 
 
@@ -70,9 +72,12 @@ def _needs_grad(obj) -> bool:
     return False
 
 
-def _row_scale(y: torch.Tensor, A: torch.Tensor, length: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_scale(
+    y: torch.Tensor, A: torch.Tensor, length: int, name: str, flag: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, per-row scale): rows are sequences (first dim B), or the B * L tokens of a module that flattens its
-    (B, L) input in row-major order (MoE experts and routers), scaled by their sequence's A."""
+    (B, L) input in row-major order (MoE experts and routers), scaled by their sequence's A. `flag`: the method's
+    `*_other_params` field, named in the error."""
     batch = A.shape[0]
     if y.shape[0] == batch:
         return y, A
@@ -81,20 +86,20 @@ def _row_scale(y: torch.Tensor, A: torch.Tensor, length: int, name: str) -> tupl
     if y.shape[0] == batch * length:
         return y, A.repeat_interleave(length)
     raise RuntimeError(
-        f"isopo_other_params='advantage_weighted': module {name} returned shape {tuple(y.shape)}, whose first "
+        f"{flag}='advantage_weighted': module {name} returned shape {tuple(y.shape)}, whose first "
         f"dimension is neither the micro-batch size {batch} nor its {batch * length} tokens, so its gradient cannot "
-        "be split by sequence. Use isopo_other_params='surrogate' or 'frozen'."
+        f"be split by sequence. Use {flag}='surrogate' or 'frozen'."
     )
 
 
-def _outputs(y, name: str) -> tuple:
+def _outputs(y, name: str, flag: str) -> tuple:
     """The module's output as a tuple of tensors (one tensor, or a tuple/list of them, e.g. a router's logits,
     weights and indices)."""
     items = tuple(y) if isinstance(y, (tuple, list)) else (y,)
     if not items or not all(isinstance(t, torch.Tensor) for t in items):
         raise RuntimeError(
-            f"isopo_other_params='advantage_weighted' needs module {name} to return tensors with a batch (or token) "
-            f"dimension; it returned {type(y).__name__}. Use isopo_other_params='surrogate' or 'frozen'."
+            f"{flag}='advantage_weighted' needs module {name} to return tensors with a batch (or token) "
+            f"dimension; it returned {type(y).__name__}. Use {flag}='surrogate' or 'frozen'."
         )
     return items
 
@@ -115,37 +120,38 @@ def _advantage_weighted_forward(original, name: str, owner, *args, **kwargs):
     mb = owner.current
     if mb is None or not torch.is_grad_enabled():
         return y
-    items = _outputs(y, name)
+    flag = owner.method.field("other_params")
+    items = _outputs(y, name, flag)
     A = mb.advantages.to(device=items[0].device)
     length = mb.mask.shape[1]
     if not _needs_grad((args, kwargs)):
         out = []
         for t in items:  # outputs without a gradient (e.g. routing indices) pass through
             if t.requires_grad:
-                t, scale = _row_scale(t, A, length, name)
+                t, scale = _row_scale(t, A, length, name, flag)
                 t = RowScale.apply(t, scale, 1.0, owner)
             out.append(t)
         return _repack(y, out)
-    thetas = _outputs(original(*_detach_tree(args), **_detach_tree(kwargs)), name)
+    thetas = _outputs(original(*_detach_tree(args), **_detach_tree(kwargs)), name, flag)
     out = []
     for t, t_theta in zip(items, thetas):
         if t_theta.requires_grad:
-            t, scale = _row_scale(t, A, length, name)
-            t_theta, _ = _row_scale(t_theta, A, length, name)
+            t, scale = _row_scale(t, A, length, name, flag)
+            t_theta, _ = _row_scale(t_theta, A, length, name, flag)
             t = t + RowScale.apply(t_theta - t_theta.detach(), scale - 1, 0.0, owner)
         out.append(t)
     return _repack(y, out)
 
 
-def check_leaf_module(name: str, module: nn.Module) -> None:
+def check_leaf_module(name: str, module: nn.Module, method: MethodName) -> None:
     """Advantage weighting supports modules whose sub-modules hold no trainable parameters (a parent's forward would
     scale its children's gradients a second time); parameter-free children such as an activation are fine."""
     own = any(p.requires_grad for p in module.parameters(recurse=False))
     if own and any(p.requires_grad for child in module.children() for p in child.parameters()):
         raise ValueError(
-            f"isopo_other_params='advantage_weighted' supports leaf modules only; {name} "
+            f"{method.field('other_params')}='advantage_weighted' supports leaf modules only; {name} "
             f"({type(module).__name__}) owns trainable parameters and has sub-modules that do too. Freeze its "
-            "parameters or use isopo_other_params='surrogate'."
+            f"parameters or use {method.field('other_params')}='surrogate'."
         )
 
 

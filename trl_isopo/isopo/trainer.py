@@ -18,8 +18,8 @@ from ..grpo_terms import entropy_bonus_enabled
 from ..vllm_cpu import apply_cpu_weight_sync
 from .checkpoint import load_isopo_state, save_isopo_state
 from .config import ISOPOConfig
-from .isopo_backward import ISOPOBackward
-from .install import install_isopo
+from .isopo_backward import ISOPO, ISOPOBackward
+from .install import install_layerwise
 from .metrics import METRIC_NAMES
 from .micro_batch import MicroBatch
 from .support import unsupported_sharding
@@ -107,7 +107,7 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
         extra = (("an entropy bonus",) if entropy_bonus_enabled(args) else ()) + (
             ("a router aux loss",) if self.aux_loss_enabled else ()
         )
-        problem = unsupported_sharding(self.is_fsdp_enabled, fsdp2, zero_stage, args.beta, extra)
+        problem = unsupported_sharding(ISOPO, self.is_fsdp_enabled, fsdp2, zero_stage, args.beta, extra)
         if problem:
             raise NotImplementedError(problem)
         if fsdp2:
@@ -133,8 +133,9 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
         return int(getattr(plugin, "zero_stage", 0) or 0)
 
     def _install_isopo(self) -> dict:
-        return install_isopo(self.isopo_backward, self.model, other_params=self.args.isopo_other_params,
-                             lm_head=self.args.isopo_lm_head, gradient_checkpointing=self.args.gradient_checkpointing)
+        return install_layerwise(self.isopo_backward, self.model, other_params=self.args.isopo_other_params,
+                                 lm_head=self.args.isopo_lm_head,
+                                 gradient_checkpointing=self.args.gradient_checkpointing)
 
     def remove_isopo(self) -> None:
         """Uninstall ISOPO's backward: the model's own forwards and TRL's fused head kernel are restored (e.g. to use
@@ -185,7 +186,8 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
         reduced = dict(zip(METRIC_NAMES, local.tolist()))
         for n, (total, count) in reduced.items():
             if count > 0:  # means over layer calls; the dropped-coefficient count is a total over the step
-                self._metrics["train"][f"isopo/{n}"].append(total if n == "nonfinite_coefficients" else total / count)
+                mean = total if n == "nonfinite_coefficients" else total / count
+                self._metrics["train"][ISOPO.metric(n)].append(mean)
         # counts (summed, not averaged): sequences whose coefficient was not finite (this process), EMA folds skipped
         bad = step.get("nonfinite_coefficients", (0.0, 0.0))[0]
         skipped, self._isopo_skipped = ctx.ema.skipped - self._isopo_skipped, ctx.ema.skipped

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..isopo.backward import LayerBackward
+from ..layerwise.method import MethodName
 from ..isopo.micro_batch import MicroBatch
 from .projection import METRIC_NAMES, PROMALayerState, PROMASettings, proma_layer_step, sketch_seed
 
@@ -43,11 +44,14 @@ class PROMAMicroBatch(MicroBatch):
     sketch_key: tuple = ()
 
 
+PROMA = MethodName(title="PROMA", prefix="proma")
+
+
 class PROMABackward(LayerBackward):
     """PROMA's per-layer backward (module docstring). `settings`: `PROMASettings`."""
 
     def __init__(self, settings: PROMASettings):
-        super().__init__()
+        super().__init__(PROMA)
         self.settings = settings
         self.states: dict[str, PROMALayerState] = {}
         # Device sums of the metric vectors since the last `pop_metrics`: over every layer call, and over the calls
@@ -115,7 +119,8 @@ class PROMABackward(LayerBackward):
         every, chain = sums.tolist()
         out = {}
         if self.settings.accumulation and chain[_ACTIVE] > 0:
-            out.update({f"proma/{n}": chain[METRIC_NAMES.index(n)] / chain[_ACTIVE] for n in ACCUMULATION_METRICS})
+            out.update({self.method.metric(n): chain[METRIC_NAMES.index(n)] / chain[_ACTIVE]
+                        for n in ACCUMULATION_METRICS})
         if self.settings.intra and every[_ACTIVE] > 0:
-            out.update({f"proma/{n}": every[METRIC_NAMES.index(n)] / every[_ACTIVE] for n in INTRA_METRICS})
+            out.update({self.method.metric(n): every[METRIC_NAMES.index(n)] / every[_ACTIVE] for n in INTRA_METRICS})
         return out

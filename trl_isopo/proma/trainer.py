@@ -13,9 +13,9 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..compat import check_grpo_hooks, check_grpo_state
-from ..isopo.install import install_isopo
+from ..isopo.install import install_layerwise
 from ..isopo.support import unsupported_sharding
-from .backward import PROMABackward, PROMAMicroBatch
+from .backward import PROMA, PROMABackward, PROMAMicroBatch
 from .config import PROMAConfig
 from .projection import projection_active, sketch_seed
 from ..isopo.surrogate import SurrogateLossMixin
@@ -114,7 +114,7 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
                 "(recipes/accelerate/ddp.yaml), FSDP2 (recipes/accelerate/fsdp2.yaml) or one process."
             )
         extra = ("a router aux loss",) if self.aux_loss_enabled else ()
-        problem = unsupported_sharding(self.is_fsdp_enabled, fsdp2, 0, self.args.beta, extra)
+        problem = unsupported_sharding(PROMA, self.is_fsdp_enabled, fsdp2, 0, self.args.beta, extra)
         if problem is None and fsdp2:
             logger.warning(
                 "PROMA under FSDP2: the per-layer step is tested with torch's fully_shard on 2 CPU processes (the mean "
@@ -122,12 +122,12 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
                 " Accumulation keeps one full-size (unsharded) float32 running gradient per covered layer on every "
                 "process." if self.args.proma_settings().needs_running else "",
             )
-        return None if problem is None else problem.replace("ISOPO", "PROMA")
+        return problem
 
     def _install_proma(self) -> dict:
-        coverage = install_isopo(self.proma_backward, self.model, other_params=self.args.proma_other_params,
-                                 gradient_checkpointing=self.args.gradient_checkpointing, method="PROMA")
-        return {k.replace("isopo_", "proma_"): v for k, v in coverage.items()}
+        return install_layerwise(self.proma_backward, self.model, other_params=self.args.proma_other_params,
+                                 lm_head=self.args.proma_lm_head,
+                                 gradient_checkpointing=self.args.gradient_checkpointing)
 
     def remove_proma(self) -> None:
         """Uninstall PROMA's backward (the model's own forwards and TRL's kernel are restored); this trainer cannot

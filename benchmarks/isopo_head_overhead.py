@@ -22,9 +22,10 @@ import time
 import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-from trl_isopo.isopo.head import ISOPOHead, RowScaledChunkedLogProb, head_row_values
+from trl_isopo.isopo.head import ISOPOHead
+from trl_isopo.layerwise.head import RowScaledChunkedLogProb, head_row_values
 from trl_isopo.isopo.isopo_backward import ISOPOBackward
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 
 from isopo_layer_costs import variant_settings  # same folder
 

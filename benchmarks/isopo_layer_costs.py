@@ -103,7 +103,7 @@ def profile_layer(mask, d_in, d_out, variant_settings, rows: int = 15) -> None:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     class CountOps(TorchDispatchMode):
         def __init__(self):
@@ -140,8 +140,8 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
     end_step_ms = end_step_ms or {}
     from collections import Counter
 
-    from trl_isopo.isopo.micro_batch import MicroBatch
-    from trl_isopo.isopo.costs import route_costs, statistics_cost
+    from trl_isopo.layerwise.micro_batch import MicroBatch
+    from trl_isopo.layerwise.costs import route_costs, statistics_cost
 
     covered = set(trainer.isopo_coverage["covered"])
     # The layer's dtype too: bf16 weights see bf16 inputs and output gradients (LoRA adapters stay float32).

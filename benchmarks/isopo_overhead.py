@@ -188,7 +188,7 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
     runs as matrix products, with the sample as gathered (zero-padded): what FlopCounterMode should count).
 
     `valid`: the micro-batch's valid (non-padding) positions, from which the Fisher sample is drawn."""
-    from trl_isopo.isopo.costs import gathered_rows, gemm_macs, route_costs, statistics_cost
+    from trl_isopo.layerwise.costs import gathered_rows, gemm_macs, route_costs, statistics_cost
 
     H, V = cfg.hidden_size, cfg.vocab_size
     N = B * T

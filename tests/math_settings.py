@@ -5,7 +5,7 @@ The package's settings classes have no defaults: a config holds them, and `ISOPO
 the values below and names what it changes.
 """
 
-from trl_isopo.isopo.costs import DEFAULT_BUDGET_BYTES
+from trl_isopo.layerwise.costs import DEFAULT_BUDGET_BYTES
 from trl_isopo.isopo.isopo_backward import ISOPOSettings
 from trl_isopo.proma.projection import PROMASettings
 

@@ -1,4 +1,4 @@
-"""The backward object's mechanics (`trl_isopo/isopo/backward.py`): install / remove, the micro-batch window, the
+"""The backward object's mechanics (`trl_isopo/layerwise/engine.py`): install / remove, the micro-batch window, the
 per-object plain mode, the TRL kernel interception, and the extension point (a subclass supplying `layer_grads`)."""
 
 import contextlib
@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 import trl.trainer.utils as trl_utils
 
-from trl_isopo.isopo.backward import LayerBackward
-from trl_isopo.isopo.head import FusedHeadInterception
+from trl_isopo.layerwise.engine import LayerBackward
+from trl_isopo.layerwise.head import FusedHeadInterception
 from trl_isopo.isopo.isopo_backward import ISOPOBackward
 from math_settings import isopo_settings
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.layerwise import MethodName
 
 

@@ -24,10 +24,10 @@ import torch
 from isopo_oracle import DEVICE, dense_weights, make_batch, make_trainer, per_sequence_data, rel_err
 from peft import LoraConfig, get_peft_model
 
-from trl_isopo.isopo import costs, precision
+from trl_isopo.layerwise import costs, precision
 from trl_isopo.isopo.isopo_backward import ISOPOBackward
 from math_settings import isopo_settings
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
 U = {torch.bfloat16: 2.0**-9, torch.float16: 2.0**-12}

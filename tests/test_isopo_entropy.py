@@ -246,7 +246,7 @@ def test_leaf_rule_allows_parameter_free_children_only():
     from torch import nn
 
     from trl_isopo.isopo.isopo_backward import ISOPO
-    from trl_isopo.isopo.other_params import check_leaf_module
+    from trl_isopo.layerwise.other_params import check_leaf_module
 
     class Experts(nn.Module):
         def __init__(self, child):
@@ -329,7 +329,7 @@ def _two_process_main(out: str):  # run by `accelerate launch` on this file
 def test_extra_terms_follow_the_kl_sharding_rule():
     """The bonus and the aux loss take the KL term's extra pass, so they are refused where beta > 0 is."""
     from trl_isopo.isopo.isopo_backward import ISOPO
-    from trl_isopo.isopo.support import unsupported_sharding
+    from trl_isopo.layerwise.install import unsupported_sharding
 
     for args in ((True, True, 0), (False, False, 2), (False, False, 1)):  # FSDP2, ZeRO-2, ZeRO-1
         for extra in (("an entropy bonus",), ("a router aux loss",)):

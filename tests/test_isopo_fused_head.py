@@ -11,9 +11,9 @@ import trl.kernels.chunked_logprob as trl_kernel
 from isopo_oracle import DEVICE
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-import trl_isopo.isopo.head.kernel as fused_head
-from trl_isopo.isopo.head.kernel import RowScaledChunkedLogProb
-from trl_isopo.isopo.other_params import RowScale
+import trl_isopo.layerwise.head.kernel as fused_head
+from trl_isopo.layerwise.head.kernel import RowScaledChunkedLogProb
+from trl_isopo.layerwise.other_params import RowScale
 
 torch.set_num_threads(1)
 

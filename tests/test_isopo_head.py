@@ -10,9 +10,9 @@ import torch
 from isopo_oracle import dense_weights, head_data, make_batch, make_trainer, per_sequence_data, rel_err
 
 from trl_isopo import ISOPOConfig, ISOPOTrainer
-from trl_isopo.isopo.head import scored_rows
+from trl_isopo.layerwise.head import scored_rows
 from trl_isopo.isopo.isopo_backward import ISOPOSettings
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
 # The kernel folds each float64 logits tile in float32 and accumulates the head gradient in float32 (TRL's numerics),

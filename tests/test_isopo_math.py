@@ -11,10 +11,10 @@ from trl_isopo.isopo.reweight import (
     isopo_sequence_scales,
     regularized_magnitude,
 )
-from trl_isopo.isopo import costs, statistics
-from trl_isopo.isopo.costs import route_costs
-from trl_isopo.isopo.statistics import sequence_statistics
-from trl_isopo.isopo.weight_grad import reweighted_weight_grad
+from trl_isopo.layerwise import costs, statistics
+from trl_isopo.layerwise.costs import route_costs
+from trl_isopo.layerwise.statistics import sequence_statistics
+from trl_isopo.layerwise.weight_grad import reweighted_weight_grad
 
 
 def random_layer(B, L, d_in, d_out, seed, single_token_row=True):
@@ -76,7 +76,7 @@ def test_routes_match_explicit(shape, route, budget, tiny_blocks, monkeypatch):
 def test_routes_need_only_one_masked_operand(masked, route, budget):
     """The trainer zeroes padding in one operand only; the other carries finite garbage there (never NaN: autograd's
     own G^T X would be NaN too). Reused scratch storage (a buffer from an earlier, larger layer) changes nothing."""
-    from trl_isopo.isopo.scratch import Scratch
+    from trl_isopo.layerwise.scratch import Scratch
 
     B, L, d_in, d_out = 4, 9, 6, 10
     X, G, mask = random_layer(B, L, d_in, d_out, seed=3)
@@ -126,7 +126,7 @@ def test_route_costs_count_the_gemms_layer_grads_runs(variant, route, shape):
 
     from math_settings import isopo_settings
     from trl_isopo.isopo.isopo_backward import ISOPOBackward
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     d_in, d_out, bias = shape
     B, L, k = 8, 64, 50
@@ -313,7 +313,7 @@ def test_step_metrics_match_dense_statistics(variant):
     a forced non-finite coefficient. p alone does not compute e (nor report euclidean_norm)."""
     from math_settings import isopo_settings
     from trl_isopo.isopo.isopo_backward import ISOPOBackward
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     interacting = variant == "interacting"
     knobs = {

@@ -138,8 +138,8 @@ def test_bf16_autocast_runs_and_stays_close(tiny_tokenizer, tmp_path):
 def test_scale_invariance_is_exact_away_from_eps(knobs):
     """c = 0: scaling the output gradients G by any factor leaves sum_i w_i V_i unchanged (pure functions)."""
     from trl_isopo.isopo.reweight import fisher_norm, isopo_sequence_scales, relative_overlap
-    from trl_isopo.isopo.statistics import sequence_statistics
-    from trl_isopo.isopo.weight_grad import reweighted_weight_grad
+    from trl_isopo.layerwise.statistics import sequence_statistics
+    from trl_isopo.layerwise.weight_grad import reweighted_weight_grad
 
     p, q, r = knobs
     g = torch.Generator().manual_seed(0)
@@ -183,7 +183,7 @@ def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp
     distinct valid positions, fresh per layer, reproducible per seed and independent of the global RNG. (Updated
     with the on-device sampler: when k >= N the sample is padded with padding positions, which add exactly 0; for
     k <= 0 or k >= B*L it is every position.)"""
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     model = build_tiny_causal_lm(tiny_tokenizer, dtype=torch.float64, seed=1)
     trainer = make_trainer(model, tiny_tokenizer, tmp_path)
@@ -215,7 +215,7 @@ def test_fisher_sample_is_a_seeded_subset_of_valid_positions(tiny_tokenizer, tmp
 def test_fisher_sample_is_uniform_over_valid_positions():
     """The k smallest of i.i.d. keys (padding keyed +inf) is a uniform k-subset of the valid positions: every valid
     position is included with probability k / N, every pair with k (k - 1) / (N (N - 1))."""
-    from trl_isopo.isopo.sampling import fisher_token_sample
+    from trl_isopo.isopo.isopo_backward import fisher_token_sample
 
     mask = torch.zeros(3, 4, dtype=torch.bool)
     mask[0, 1:] = mask[1, :2] = mask[2, 3] = True  # N = 6 valid of 12
@@ -272,7 +272,7 @@ def test_masked_input_cache_never_serves_a_freed_input():
     so that such a tensor can never hit another layer's masked copy (the CPU allocator reuses small blocks at once;
     the CUDA caching allocator does so for every size)."""
     from trl_isopo.isopo.isopo_backward import ISOPOBackward
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     ctx = ISOPOBackward(isopo_settings())
     mask = torch.ones(2, 5, dtype=torch.bool)
@@ -295,7 +295,7 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
     inf (a pad token's hidden state). The caller's tensors are left untouched, and the gradient equals that of inputs
     that were clean to begin with. The wider operand must only be finite there, as for autograd's own G^T X."""
     from trl_isopo.isopo.isopo_backward import ISOPOBackward
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     B, L = 3, 6
     d_in, d_out = (3, 7) if narrow == "x" else (7, 3)
@@ -326,7 +326,7 @@ def test_layer_grads_fill_padding_of_the_narrow_operand_in_a_copy(narrow):
 def test_zero_padding_is_a_contiguous_copy_with_padding_rows_zeroed():
     """Always a new contiguous tensor (no host read of the mask for a "no padding" shortcut, updated with the
     sync-free fill), valid rows bit-identical (NaN and -0.0 included), padding rows +0.0 whatever they held."""
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     t = torch.randn(2, 4, 5).transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous (2, 4, 5) input
     full = MicroBatch(mask=torch.ones(2, 4, dtype=torch.bool), advantages=torch.ones(2))

@@ -16,7 +16,7 @@ from trl import GRPOTrainer
 
 from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
 from math_settings import isopo_settings
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.isopo.reweight import isopo_sequence_scales, nonzero_median, regularized_magnitude
 from trl_isopo.tiny import build_tiny_causal_lm
 

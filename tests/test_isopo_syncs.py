@@ -21,15 +21,17 @@ import trl_isopo
 from trl_isopo.isopo import layer as isopo_layer
 from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
 from math_settings import isopo_settings
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm
 
 aten = torch.ops.aten
 PACKAGE = os.path.dirname(trl_isopo.__file__)
-MECHANISM = {os.path.join(PACKAGE, "isopo", f) for f in
-             ("backward.py", "isopo_backward.py", "micro_batch.py", "sampling.py", "metrics.py", "layer.py",
-              "precision.py", "costs.py", "statistics.py", "weight_grad.py", "scratch.py", "reweight.py",
-              "other_params.py", "head/kernel.py", "head/rows.py", "head/isopo.py", "head/interception.py", "ema.py")}
+MECHANISM = {os.path.join(PACKAGE, f) for f in
+             ("layerwise/engine.py", "isopo/isopo_backward.py", "layerwise/micro_batch.py", "isopo/metrics.py",
+              "isopo/layer.py", "layerwise/precision.py", "layerwise/costs.py", "layerwise/statistics.py",
+              "layerwise/weight_grad.py", "layerwise/scratch.py", "isopo/reweight.py", "layerwise/other_params.py",
+              "layerwise/head/kernel.py", "layerwise/head/rows.py", "isopo/head.py", "layerwise/head/interception.py",
+              "isopo/ema.py")}
 # Ops whose result size or value the host must read (nanmedian: its CUDA kernel reads the NaN count in some
 # versions; repeat_interleave without output_size reads the repeats).
 HOST_READS = {aten._local_scalar_dense, aten.nonzero, aten.nonzero_numpy, aten.masked_select, aten.is_nonzero,

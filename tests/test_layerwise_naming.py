@@ -13,10 +13,10 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
 from proma_steps import make_trainer, micro_batches, run_step  # noqa: E402
 
-from trl_isopo.isopo.install import install_layerwise  # noqa: E402
+from trl_isopo.layerwise.install import install_layerwise  # noqa: E402
 from trl_isopo.isopo.isopo_backward import ISOPO  # noqa: E402
-from trl_isopo.isopo.other_params import check_leaf_module  # noqa: E402
-from trl_isopo.isopo.support import unsupported_sharding  # noqa: E402
+from trl_isopo.layerwise.other_params import check_leaf_module  # noqa: E402
+from trl_isopo.layerwise.install import unsupported_sharding  # noqa: E402
 from trl_isopo.layerwise import MethodName  # noqa: E402
 from trl_isopo.proma.backward import PROMA, PROMABackward  # noqa: E402
 from math_settings import proma_settings  # noqa: E402

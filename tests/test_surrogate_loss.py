@@ -1,4 +1,4 @@
-"""The advantage-free surrogate, written from the per-token log-probs (isopo/surrogate.py), is GRPO's own loss with
+"""The advantage-free surrogate, written from the per-token log-probs (layerwise/surrogate.py), is GRPO's own loss with
 advantages 1 and ratio 1: the same gradient w.r.t. the log-probs for every supported loss_type, with the tool mask
 and the high-entropy token mask, and the metrics GRPO logs."""
 

@@ -47,7 +47,7 @@ def _half_ulp_bound(dtype, x):
 def _fold_case(k, dtype, softcap, grads, block):
     """One [n, c] logits tile at vocab_start 32 of a 120-token vocabulary, log Z and entropy from the full row (so
     p <= 1), targets inside and outside the tile: the interpreted kernel, both CPU folds, and float64."""
-    from trl_isopo.isopo.head.kernel import backward_tile_inplace
+    from trl_isopo.layerwise.head.kernel import backward_tile_inplace
 
     g = torch.Generator().manual_seed(21)
     n, c, v0, vocab, ls, inv_t, cap = 9, 40, 32, 120, 1.3, 1 / 0.7, 2.5
@@ -93,7 +93,7 @@ def _fold_case(k, dtype, softcap, grads, block):
 
 def _head_case(k, softcap, bias, triton_path):
     """`RowScaledChunkedLogProb` forward + backward (row scale with zeros and negatives), all outputs requested."""
-    from trl_isopo.isopo.head.kernel import RowScaledChunkedLogProb
+    from trl_isopo.layerwise.head.kernel import RowScaledChunkedLogProb
 
     k._use_triton = lambda device: triton_path  # what TRL and `tile_fold` ask: the GPU branch on CPU tensors
     g = torch.Generator().manual_seed(5)
@@ -115,11 +115,11 @@ def _head_case(k, softcap, bias, triton_path):
 def _isopo_head_case(k, triton_path):
     """The ISOPO-transformed head (`head.ISOPOHead`: statistics over vocabulary tiles folded by `tile_fold`, then the
     row-scaled kernel), p = -1 with an exact Fisher estimate, on TRL's full row layout."""
-    from trl_isopo.isopo.head.kernel import RowScaledChunkedLogProb
+    from trl_isopo.layerwise.head.kernel import RowScaledChunkedLogProb
     from trl_isopo.isopo.head import ISOPOHead
     from math_settings import isopo_settings
     from trl_isopo.isopo.isopo_backward import ISOPOBackward
-    from trl_isopo.isopo.micro_batch import MicroBatch
+    from trl_isopo.layerwise.micro_batch import MicroBatch
 
     k._use_triton = lambda device: triton_path
     g = torch.Generator().manual_seed(8)
@@ -143,7 +143,7 @@ def _isopo_head_case(k, triton_path):
 def child(path):
     import trl.kernels.chunked_logprob as k
 
-    from trl_isopo.isopo.head import kernel as fused_head
+    from trl_isopo.layerwise.head import kernel as fused_head
 
     res = {"kernel_types": [type(k._backward_kernel).__name__, type(k._forward_kernel).__name__]}
     use_triton = k._use_triton

@@ -27,7 +27,7 @@ _EXPORTS = {
     "isopo_sequence_weights": "trl_isopo.isopo.reweight",
     "regularized_magnitude": "trl_isopo.isopo.reweight",
     "interacting_coefficients": "trl_isopo.isopo.reweight",
-    "sequence_statistics": "trl_isopo.isopo.statistics",
+    "sequence_statistics": "trl_isopo.layerwise.statistics",
     "PROMAConfig": "trl_isopo.proma.config",
     "PROMATrainer": "trl_isopo.proma.trainer",
     "TPOConfig": "trl_isopo.tpo.config",

@@ -40,7 +40,7 @@ CHECKPOINTING_FIELD = "activation_checkpointing" if "activation_checkpointing" i
     "gradient_checkpointing")
 
 # ----------------------------------------------------------------------- TRL's fused LM-head kernel (trl.kernels)
-# The head's row-scaled kernel (isopo/head/kernel.py) runs TRL's forward and TRL's backward pieces in TRL's loop.
+# The head's row-scaled kernel (layerwise/head/kernel.py) runs TRL's forward and TRL's backward pieces in TRL's loop.
 _KERNEL_NAMES = ("ChunkedLogProbFunction", "TOKEN_CHUNK_SIZE", "_backward_kernel", "_backward_tile", "_use_triton",
                  "_addmm_fp32", "_BLOCK_SIZE")
 _missing = [name for name in _KERNEL_NAMES if not hasattr(_kernel, name)]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trl_isopo.isopo.isopo_backward import ISOPOBackward, ISOPOSettings
-from trl_isopo.isopo.micro_batch import MicroBatch
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.tiny import build_tiny_causal_lm, build_word_tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the math settings

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..surrogate_rules import SURROGATE_LOSS_TYPES, surrogate_config_errors
-from .costs import ROUTES
+from ..layerwise.costs import ROUTES
+from ..layerwise.other_params import OTHER_PARAMS_MODES
+from ..layerwise.rules import SURROGATE_LOSS_TYPES, surrogate_config_errors
 from .isopo_backward import ISOPOSettings
-from .other_params import OTHER_PARAMS_MODES
 from .reweight import REG_REFERENCES
 
 

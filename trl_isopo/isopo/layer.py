@@ -36,6 +36,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..layerwise.scratch import Scratch
+from ..layerwise.statistics import sequence_statistics
+from ..layerwise.weight_grad import reweighted_weight_grad
 from .reweight import (
     fisher_norm,
     interacting_coefficients,
@@ -44,9 +47,6 @@ from .reweight import (
     nonzero_median,
     relative_overlap,
 )
-from .scratch import Scratch
-from .statistics import sequence_statistics
-from .weight_grad import reweighted_weight_grad
 
 
 class LayerGrad(NamedTuple):

@@ -1,11 +1,14 @@
 """`ISOPOTrainer`: GRPOTrainer whose linear-layer gradients are rebuilt by ISOPO inside the one backward pass.
 
-Thin glue: the math is in `layer.py` / `reweight.py` / `statistics.py`, the mechanism in the backward object
-(`isopo_backward.ISOPOBackward`, installed on the model here and opened per micro-batch), the KL term in `kl.py`.
+Thin glue: ISOPO's math is in `layer.py` / `reweight.py`, its backward object in `isopo_backward.py` (installed on
+the model here and opened per micro-batch); the method-neutral engine (the autograd Function, the window, the
+advantage-free surrogate and the KL term) in `trl_isopo/layerwise/`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import textwrap
 
 import torch
@@ -15,15 +18,13 @@ from trl.trainer.utils import get_config_model_id
 
 from ..compat import check_grpo_hooks, check_grpo_state
 from ..grpo_terms import entropy_bonus_enabled
+from ..layerwise.install import install_layerwise, unsupported_sharding
+from ..layerwise.micro_batch import MicroBatch
+from ..layerwise.surrogate import SurrogateLossMixin
 from ..vllm_cpu import apply_cpu_weight_sync
-from .checkpoint import load_isopo_state, save_isopo_state
 from .config import ISOPOConfig
 from .isopo_backward import ISOPO, ISOPOBackward
-from .install import install_layerwise
 from .metrics import METRIC_NAMES
-from .micro_batch import MicroBatch
-from .support import unsupported_sharding
-from .surrogate import SurrogateLossMixin
 
 logger = logging.get_logger(__name__)
 
@@ -69,7 +70,6 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
                 eprint       = {arXiv:2512.23353},
             }"""),
     }
-    _surrogate_name = "ISOPO"
     _window_method = "isopo_active"
 
     def __init__(
@@ -237,3 +237,26 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
             return
         self.isopo_backward.ema.load_state_dict(state["ema"])
         self._isopo_micro_step = int(state["micro_step"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ISOPO's own checkpoint state: the EMA statistics and the micro-step counter (the Fisher sample's seed), written next
+# to the optimizer's state so that a resumed run continues exactly (docs/isopo.md, "Checkpoints").
+
+
+ISOPO_STATE_FILE = "isopo_state.json"
+
+
+def save_isopo_state(output_dir: str, ema_state: dict, micro_step: int) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, ISOPO_STATE_FILE), "w") as f:
+        json.dump({"ema": ema_state, "micro_step": micro_step}, f)
+
+
+def load_isopo_state(checkpoint: str) -> dict | None:
+    """{"ema": ..., "micro_step": ...} of `checkpoint`, or None when it has no ISOPO state file."""
+    path = os.path.join(checkpoint, ISOPO_STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

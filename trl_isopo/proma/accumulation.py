@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..isopo.costs import DEFAULT_BUDGET_BYTES
-from ..isopo.precision import stat_dtype
+from ..layerwise.costs import DEFAULT_BUDGET_BYTES
+from ..layerwise.precision import stat_dtype
 
 SOLVERS = ("solve", "gram_schmidt")
 

@@ -1,4 +1,4 @@
-"""PROMA's backward object: `PROMABackward`, the `isopo.backward.LayerBackward` whose per-layer weight gradient is
+"""PROMA's backward object: `PROMABackward`, the `layerwise.engine.LayerBackward` whose per-layer weight gradient is
 the PROMA increment dS_m of `projection.proma_layer_step` (docs/proma.md).
 
 The shared machinery (the covered-linear autograd Function, the micro-batch window, `plain()` mode for the KL pass,
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..isopo.backward import LayerBackward
+from ..layerwise.engine import LayerBackward
 from ..layerwise.method import MethodName
-from ..isopo.micro_batch import MicroBatch
+from ..layerwise.micro_batch import MicroBatch
 from .projection import METRIC_NAMES, PROMALayerState, PROMASettings, proma_layer_step, sketch_seed
 
 _ACTIVE = METRIC_NAMES.index("active")

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..surrogate_rules import SURROGATE_LOSS_TYPES, surrogate_config_errors
-from ..isopo.costs import ROUTES
-from ..isopo.other_params import OTHER_PARAMS_MODES
+from ..layerwise.costs import ROUTES
+from ..layerwise.other_params import OTHER_PARAMS_MODES
+from ..layerwise.rules import SURROGATE_LOSS_TYPES, surrogate_config_errors
 from .accumulation import SOLVERS
 from .intra import INTRA_TARGETS
 from .projection import MODES, PROMASettings

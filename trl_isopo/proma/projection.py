@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..isopo.costs import ROUTES
-from ..isopo.precision import matmul_f32, stat_dtype
-from ..isopo.statistics import sequence_statistics
-from ..isopo.weight_grad import reweighted_weight_grad
+from ..layerwise.costs import ROUTES
+from ..layerwise.precision import matmul_f32, stat_dtype
+from ..layerwise.statistics import sequence_statistics
+from ..layerwise.weight_grad import reweighted_weight_grad
 from .accumulation import SOLVERS, accumulation_coefficients, dense_accumulation_step, running_overlaps
 from .intra import INTRA_TARGETS, core_of, factored_basis, sequence_cores
 

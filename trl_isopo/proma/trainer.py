@@ -1,7 +1,7 @@
 """`PROMATrainer`: GRPOTrainer whose linear-layer gradients are PROMA's (arXiv 2601.10498), built inside the backward.
 
 Thin glue: the math is `projection.proma_layer_step`, the per-layer state `backward.PROMABackward` (a
-`LayerBackward`, ISOPO's per-layer backward machinery), the loss path `surrogate.SurrogateLossMixin`.
+`LayerBackward` of the method-neutral engine, `trl_isopo/layerwise/`), the loss path `SurrogateLossMixin`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from ..compat import check_grpo_hooks, check_grpo_state
-from ..isopo.install import install_layerwise
-from ..isopo.support import unsupported_sharding
+from ..layerwise.install import install_layerwise, unsupported_sharding
+from ..layerwise.surrogate import SurrogateLossMixin
+from ..vllm_cpu import apply_cpu_weight_sync
 from .backward import PROMA, PROMABackward, PROMAMicroBatch
 from .config import PROMAConfig
 from .projection import projection_active, sketch_seed
-from ..isopo.surrogate import SurrogateLossMixin
-from ..vllm_cpu import apply_cpu_weight_sync
 
 logger = logging.get_logger(__name__)
 
@@ -56,7 +55,6 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
                 eprint       = {arXiv:2601.10498},
             }"""),
     }
-    _surrogate_name = "PROMA"
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ REFERENCE_METHOD = "grpo"  # the analysis' differences are to GRPO with its clip
 def has_pi_old(method: str) -> bool:
     """Whether the method's loss reads the rollout-time policy (GRPO's ratio, TPO's target); the advantage-free
     surrogate of ISOPO and PROMA does not."""
-    from trl_isopo.isopo.surrogate import SurrogateLossMixin
+    from trl_isopo.layerwise.surrogate import SurrogateLossMixin
 
     return not issubclass(get_method(method).trainer_cls, SurrogateLossMixin)
 

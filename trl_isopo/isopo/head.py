@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from ...compat import FOLD_BLOCK_COLUMNS
-from ..costs import route_costs, statistics_cost
-from ..layer import isopo_coefficients
-from ..precision import stat_dtype
-from ..statistics import SequenceStats, gather_rows, gram_statistics, materialized_statistics, row_norms
-from .kernel import tile_fold
-from .rows import head_row_values, scored_rows
+from ..compat import FOLD_BLOCK_COLUMNS
+from ..layerwise.costs import route_costs, statistics_cost
+from ..layerwise.head.kernel import tile_fold
+from ..layerwise.head.rows import head_row_values, scored_rows
+from ..layerwise.precision import stat_dtype
+from ..layerwise.statistics import SequenceStats, gather_rows, gram_statistics, materialized_statistics, row_norms
+from .layer import isopo_coefficients
 
 
 def head_statistics(

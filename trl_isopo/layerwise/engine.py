@@ -29,9 +29,9 @@ and other-parameter handling): subclass `LayerBackward` and implement
 with x (B, L, d_in) the layer input and g (B, L, d_out) its output gradient of the advantage-free surrogate
 (padding rows may hold anything; `masked_operands` returns them with one operand's padding rows zeroed), returned in
 float32 (float64 for float64 inputs). The Function counts the call (`calls`) and handles plain mode; the subclass
-only computes. `ISOPOBackward` (isopo_backward.py) is the ISOPO implementation; tests/test_isopo_backward.py runs a
-minimal second one. Optionally override `head_provider(name, mb)` to transform the LM head inside TRL's fused kernel
-(`head/isopo.py`).
+only computes. `ISOPOBackward` (`trl_isopo/isopo/isopo_backward.py`) is the ISOPO implementation;
+tests/test_isopo_backward.py runs a minimal second one. Optionally override `head_provider(name, mb)` to transform
+the LM head inside TRL's fused kernel (ISOPO's: `trl_isopo/isopo/head.py`).
 
 ISOPOTrainer opens the window in `_compute_loss` (where the micro-batch's advantages and masks are known) on an
 `ExitStack` that `isopo_active()` closes after the backward.
@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..layerwise.method import MethodName
+from .method import MethodName
 from .head.interception import FusedHeadInterception
 from .micro_batch import MicroBatch
 from .other_params import advantage_weighted_forward, check_leaf_module

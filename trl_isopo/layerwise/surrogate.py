@@ -1,19 +1,19 @@
 """`SurrogateLossMixin`: the GRPOTrainer glue of a method whose covered linear layers rebuild their weight gradient
-inside the backward pass (a `backward.LayerBackward`): ISOPOTrainer and PROMATrainer.
+inside the backward pass (a `engine.LayerBackward`): ISOPOTrainer and PROMATrainer.
 
 The loss is GRPO's with advantages 1 and no importance ratio, written here from the per-token log-probs (as TRL's
 GMPOTrainer writes its own): the **advantage-free surrogate** -sum_i sum_t m_it log pi_it / n_i, m the completion
-(and tool) mask, n_i the normalization of `loss_type` (`isopo.normalizer.loss_normalizer`); the advantages reach the
+(and tool) mask, n_i the normalization of `loss_type` (`loss_normalizer`, below); the advantages reach the
 covered layers through the micro-batch bound into the backward object's window. What GRPO adds to that loss and the
 method must not transform (the k3 KL to the reference model when `beta > 0`, TRL's entropy bonus, a MoE router aux
 loss) is taken as one ordinary gradient in the backward object's `plain()` mode over the same graph
-(`kl.KLGradients`). `top_entropy_quantile < 1` multiplies m by GRPO's high-entropy mask, so the per-sequence
+(`KLGradients`, below). `top_entropy_quantile < 1` multiplies m by GRPO's high-entropy mask, so the per-sequence
 gradients come from the high-entropy tokens only. GRPO's metrics are logged as GRPO logs them (its clip ratios are 0:
 there is no ratio). TRL's no-grad forward for `old_per_token_logps` is skipped unless `_needs_old_logps` says it is
 read (`compat.OldLogpsSkip`).
 
-A trainer mixes this in before `GRPOTrainer`, calls `_init_surrogate` with its installed `LayerBackward`, sets
-`_surrogate_name` (for messages) and implements `_make_micro_batch`; `training_step` opens the window around TRL's
+A trainer mixes this in before `GRPOTrainer`, calls `_init_surrogate` with its installed `LayerBackward` (whose
+`method` names it in messages) and implements `_make_micro_batch`; `training_step` opens the window around TRL's
 step.
 """
 
@@ -27,9 +27,7 @@ from transformers.utils import logging
 
 from ..compat import OldLogpsSkip, policy_forward
 from ..grpo_terms import aux_loss_term, entropy_bonus_enabled, entropy_bonus_term, k3_per_token
-from .kl import KLGradients
 from .micro_batch import MicroBatch
-from .normalizer import loss_normalizer
 
 logger = logging.get_logger(__name__)
 
@@ -42,7 +40,6 @@ class SurrogateLossMixin:
     """See the module docstring. State: `_surrogate_window` (the ExitStack of the open window, None outside),
     `_surrogate_kl` (held KL gradients), `_surrogate_old_logps_skip`."""
 
-    _surrogate_name = "method"
     _window_method = "backward_window"  # the name the trainer's users call the window by (in messages)
 
     def _init_surrogate(self, backward) -> None:
@@ -84,7 +81,7 @@ class SurrogateLossMixin:
     def _flush_kl(self) -> None:
         if self._surrogate_kl.flush() and self.accelerator.num_processes > 1:
             logger.warning("%s: the KL gradient of some parameters was added outside the backward pass (not "
-                           "all-reduced).", self._surrogate_name)
+                           "all-reduced).", self._surrogate_backward.method.title)
 
     def training_step(self, model, inputs, num_items_in_batch):
         with self.backward_window():
@@ -107,7 +104,8 @@ class SurrogateLossMixin:
         mode = "train" if self.model.training else "eval"
         advantages = torch.nan_to_num(inputs["advantages"].detach().float(), nan=0.0)
         if advantages.dim() != 1:
-            raise ValueError(f"{self._surrogate_name} needs one advantage per sequence (advantages of shape (B,))")
+            method = self._surrogate_backward.method.title
+            raise ValueError(f"{method} needs one advantage per sequence (advantages of shape (B,))")
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1).bool()
         loss_mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
@@ -119,7 +117,8 @@ class SurrogateLossMixin:
             # them the advantage-free gradient of -log pi.
             raise RuntimeError(
                 f"{type(self).__name__}'s loss has no ordinary gradient: the advantages enter only inside the "
-                f"{self._surrogate_name} backward. Call trainer.training_step(model, inputs, num_items_in_batch) "
+                f"{self._surrogate_backward.method.title} backward. Call trainer.training_step(model, inputs, "
+                "num_items_in_batch) "
                 f"(which opens that window), or wrap compute_loss and backward in `with trainer.{self._window_method}():`; "
                 "under torch.no_grad() or in eval mode compute_loss only reports the loss."
             )
@@ -192,3 +191,94 @@ class SurrogateLossMixin:
         if skip is not None and skip.take(self, model):
             return None, None, None  # old_per_token_logps = None: the loss then uses sg(log pi), ratio 1
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The KL-to-reference term (`beta > 0`) of ISOPOTrainer, added as an ordinary gradient.  Per token, exactly as TRL
+# 1.16's `GRPOTrainer._compute_loss` with beta > 0 (`grpo_terms.k3_per_token`), normalized like the loss_type.  Design
+# (docs/isopo.md, "KL to a reference model"): the covered layers rebuild their weight gradient from the backward seed,
+# so the KL seed must not reach them in the same pass. Its gradient is taken right after the forward by
+# `torch.autograd.grad(..., retain_graph=True)` over the same graph while the backward object's `plain()` mode makes
+# every ISOPO backward function ordinary; no second forward. The result is held (one gradient-sized buffer) and added
+# to each parameter's gradient by a one-shot hook when the policy-loss backward reaches it: before gradient
+# accumulation and DDP's all-reduce, so both see one ordinary gradient. `autograd.grad` accumulates nothing into
+# `.grad`, so DDP's reducer sees exactly one backward pass.
+
+
+class KLGradients:
+    """The KL gradients of the current micro-batch (with the entropy bonus and router aux loss, when on, in the same
+    pass), held until the policy-loss backward reaches their parameters."""
+
+    def __init__(self):
+        self.pending: list = []  # (parameter, KL gradient, hook handle, [fired])
+
+    def take(self, kl_loss: torch.Tensor, params: list[torch.Tensor], backward) -> None:
+        """Compute d kl_loss / d params in `backward`'s plain mode (the graph retained) and hold them as hooks."""
+        with backward.plain():
+            grads = torch.autograd.grad(kl_loss, params, retain_graph=True, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                self._hook(p, g)
+
+    def _hook(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        fired = [False]
+
+        def hook(incoming):
+            if fired[0]:
+                return incoming
+            fired[0] = True
+            return incoming + grad.to(incoming.dtype)
+
+        self.pending.append((param, grad, param.register_hook(hook), fired))
+
+    def flush(self) -> int:
+        """Remove this micro-batch's hooks; a parameter the policy backward never reached gets its KL gradient added
+        to `.grad` directly. Returns how many did (under DDP that part misses the all-reduce: the caller warns)."""
+        missed = 0
+        for param, grad, handle, fired in self.pending:
+            handle.remove()
+            if not fired[0]:
+                missed += 1
+                g = grad.to(param.dtype)
+                param.grad = g.clone() if param.grad is None else param.grad.add_(g)
+        self.pending.clear()
+        return missed
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The loss normalizer n_i of ISOPO's backward seed: d(loss)/d(log pi_it) = -mask_it / n_i for GRPO's loss with
+# advantages 1 and ratio 1 (`MicroBatch.stat_scale`).
+
+
+def loss_normalizer(
+    loss_type: str,
+    mask: torch.Tensor,
+    *,
+    accumulation: float,
+    max_completion_length: int,
+    num_items_in_batch: torch.Tensor | None,
+    num_processes: int,
+    steps_per_generation: int | None,
+) -> torch.Tensor:
+    """(B,) n_i for the completion mask (B, C), mirroring TRL 1.16 `GRPOTrainer._compute_loss`'s normalization of each
+    supported loss_type (a test checks it against autograd of that loss): bnpo: the micro-batch's completion tokens x
+    GA; grpo: the sequence's own tokens x B x GA; dr_grpo: B x max_completion_length x GA; dapo: the accumulation
+    window's tokens per process (`num_items_in_batch` / processes, x GA / `steps_per_generation` in training).
+    accumulation: GA in training, 1 in evaluation; steps_per_generation: None in evaluation.
+    """
+    B = mask.shape[0]
+    ga = float(accumulation)
+    mask = mask.to(torch.float64)
+    if loss_type == "grpo":
+        return mask.sum(-1).clamp(min=1.0) * (B * ga)
+    if loss_type == "bnpo":
+        n = mask.sum().clamp(min=1.0) * ga
+    elif loss_type == "dr_grpo":
+        n = torch.tensor(float(B * max_completion_length) * ga, dtype=torch.float64, device=mask.device)
+    elif loss_type == "dapo":
+        n = num_items_in_batch.to(torch.float64).clamp(min=1.0) / num_processes
+        if steps_per_generation is not None:
+            n = n * accumulation / steps_per_generation
+    else:  # pragma: no cover - rejected by ISOPOConfig
+        raise ValueError(f"unsupported loss_type {loss_type!r}")
+    return n.to(mask.device).expand(B)

@@ -14,7 +14,7 @@ A_i while the gradient passed on to lower layers stays advantage-free:
 - the LM head, whose weight TRL's fused log-prob kernel reads directly, is handled in `head/` (the kernel with a
   per-row scale on the weight gradient, `head/kernel.py`, swapped in by `head/interception.py`).
 
-The replaced forwards are installed and removed by the backward object (`backward.LayerBackward.install`), and
+The replaced forwards are installed and removed by the backward object (`engine.LayerBackward.install`), and
 scale only inside its micro-batch window.
 """
 
@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from ..layerwise.method import MethodName
+from .method import MethodName
 
 OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
 
@@ -33,7 +33,7 @@ OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
 class RowScale(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient of row b (dim 0) by scale[b]. y: (B, ...), scale: (B,).
 
-    Inside the `plain()` mode of `owner` (a `backward.LayerBackward`; the KL term's ordinary gradient) the gradient
+    Inside the `plain()` mode of `owner` (an `engine.LayerBackward`; the KL term's ordinary gradient) the gradient
     is multiplied by the constant `plain` instead: 1 where the row-scaled branch is the module's only output, 0 for
     the correction branch y_theta - sg(y_theta), so that the parameter receives its ordinary gradient exactly once.
     """

@@ -1,6 +1,6 @@
 """The GRPOConfig rules shared by the methods that train on the advantage-free surrogate (ISOPO, PROMA).
 
-Their loss is GRPO's with advantages 1 and no importance ratio (`isopo/surrogate.py`), and each covered layer's
+Their loss is GRPO's with advantages 1 and no importance ratio (`layerwise/surrogate.py`), and each covered layer's
 gradient is built inside the backward by the method's own autograd Function. So every GRPOConfig option that acts on
 the ratio, the clip or the loss's per-token weights has nothing to act on, and the options that bypass or compile
 `nn.Linear.forward` would bypass the method: each is refused here, once, with what to change. The one difference

@@ -3,7 +3,7 @@
 Why a process-wide kernel is replaced: TRL's fused head forward looks its kernel up at every call and reads
 `lm_head.weight` inside it, so the head's weight gradient cannot be reached through the head module
 (`compat.logprob_kernel`). `FusedHeadInterception` is that kernel while a backward
-object is installed (`backward.LayerBackward.install(..., head_mode=...)`), and is removed with it. It is a
+object is installed (`engine.LayerBackward.install(..., head_mode=...)`), and is removed with it. It is a
 pass-through to the kernel it replaced for every call that is not inside its owner's micro-batch window with
 gradients on a trainable head (reference-model and no-grad forwards, other trainers' windows); inside, it runs
 `kernel.RowScaledChunkedLogProb` with the window's row scale:

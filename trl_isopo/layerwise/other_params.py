@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from .method import MethodName
+from .rule import MethodName
 
 OTHER_PARAMS_MODES = ("advantage_weighted", "surrogate", "frozen")
 

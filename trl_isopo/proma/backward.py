@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..layerwise.engine import LayerBackward
-from ..layerwise.method import MethodName
 from ..layerwise.micro_batch import MicroBatch
+from ..layerwise.rule import LayerCall, LayerGrads, MethodName
 from .projection import METRIC_NAMES, PROMALayerState, PROMASettings, proma_layer_step, sketch_seed
 
 _ACTIVE = METRIC_NAMES.index("active")
@@ -69,8 +69,9 @@ class PROMABackward(LayerBackward):
         """A fresh generator for layer `name`'s sketches in `mb` (the global RNG is never drawn from)."""
         return torch.Generator(device=device).manual_seed(sketch_seed(*mb.sketch_key, self.layer_index[name]))
 
-    def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
-        """dS_m of layer `name` (and of its bias). x: (B, L, d_in), g: (B, L, d_out)."""
+    def grads(self, call: LayerCall) -> LayerGrads:
+        """dS_m of one covered layer (and of its bias) in one micro-batch (`projection.proma_layer_step`)."""
+        name, mb = call.name, call.mb
         if self.calls.get(name, 0) > 1:
             # A second backward of the same module in one micro-batch would project against an S that already holds
             # this micro-batch's first increment.
@@ -81,18 +82,17 @@ class PROMABackward(LayerBackward):
         if not isinstance(mb, PROMAMicroBatch):
             raise TypeError("PROMABackward's window needs a PROMAMicroBatch")
         s = self.settings
-        X, G, dt = self.masked_operands(name, x, g, mb)
-        A = mb.advantages_as(dt, X.device)
         state = self.states.setdefault(name, PROMALayerState())
         chained = state.weight is not None
-        generator = self.generator(name, mb, X.device) if s.intra and mb.active else None
+        generator = self.generator(name, mb, call.X.device) if s.intra and mb.active else None
         out = proma_layer_step(
-            X, G, mb.mask, A, s, running=state.weight, running_bias=state.bias, generator=generator,
-            active=mb.active, has_bias=has_bias, scratch=self.scratch, keep_running=s.needs_running,
+            call.X, call.G, mb.mask, call.advantages, s, running=state.weight, running_bias=state.bias,
+            generator=generator, active=mb.active, has_bias=call.has_bias, scratch=self.scratch,
+            keep_running=s.needs_running,
         )  # fmt: skip
         state.update(out)
         self._keep(out.metrics, chained)
-        return out.grad_weight, out.grad_bias
+        return LayerGrads(out.grad_weight, out.grad_bias)
 
     def _keep(self, metrics: torch.Tensor, chained: bool) -> None:
         metrics = metrics.detach().to(torch.float64)
@@ -112,6 +112,10 @@ class PROMABackward(LayerBackward):
         out = torch.stack([self._sum_all, self._sum_chain]).to(device or self._sum_all.device)
         self._sum_all = self._sum_chain = None
         return out
+
+    def log_metrics(self, reduce) -> dict[str, float]:
+        """The metric means since the last log over all processes (`reduce`: sum over processes, to the host)."""
+        return self.metric_means(reduce(self.pop_metrics()))
 
     def metric_means(self, sums: torch.Tensor) -> dict[str, float]:
         """{"proma/<name>": mean over active layer calls} from `pop_metrics`' sums (host values), for the variants

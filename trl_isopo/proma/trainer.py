@@ -1,7 +1,7 @@
 """`PROMATrainer`: GRPOTrainer whose linear-layer gradients are PROMA's (arXiv 2601.10498), built inside the backward.
 
 Thin glue: the math is `projection.proma_layer_step`, the per-layer state `backward.PROMABackward` (a
-`LayerBackward` of the method-neutral engine, `trl_isopo/layerwise/`), the loss path `SurrogateLossMixin`.
+`LayerBackward` of the method-neutral engine, `trl_isopo/layerwise/`), the trainer `LayerwiseTrainer`.
 """
 
 from __future__ import annotations
@@ -9,13 +9,9 @@ from __future__ import annotations
 import textwrap
 
 from transformers.utils import logging
-from trl import GRPOTrainer
-from trl.trainer.utils import get_config_model_id
 
-from ..compat import check_grpo_hooks, check_grpo_state
-from ..layerwise.install import install_layerwise, unsupported_sharding
-from ..layerwise.surrogate import SurrogateLossMixin
-from ..vllm_cpu import apply_cpu_weight_sync
+from ..layerwise.install import unsupported_sharding
+from ..layerwise.trainer import LayerwiseTrainer
 from .backward import PROMA, PROMABackward, PROMAMicroBatch
 from .config import PROMAConfig
 from .projection import projection_active, sketch_seed
@@ -23,7 +19,7 @@ from .projection import projection_active, sketch_seed
 logger = logging.get_logger(__name__)
 
 
-class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
+class PROMATrainer(LayerwiseTrainer):
     """Trainer for Projected Microbatch Accumulation (PROMA, arXiv 2601.10498).
 
     Same constructor and workflow as [`~trl.GRPOTrainer`]. The loss is the advantage-free surrogate -sum(log pi),
@@ -56,54 +52,43 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
             }"""),
     }
 
-    def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: PROMAConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-        tools=None,
-        rollout_func=None,
-        environment_factory=None,
-    ):
-        if args is None:
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = PROMAConfig(f"{model_name.split('/')[-1]}-PROMA")
-        if not isinstance(args, PROMAConfig):
-            raise TypeError(f"PROMATrainer needs a PROMAConfig, got {type(args).__name__}")
-        check_grpo_hooks("PROMATrainer")
+    config_class = PROMAConfig
+
+    def make_backward(self, args: PROMAConfig) -> PROMABackward:
+        return PROMABackward(args.proma_settings())
+
+    def _check_args(self, args: PROMAConfig) -> None:
+        super()._check_args(args)
         if args.proma_lm_head:
             raise NotImplementedError(
                 "proma_lm_head=True is not implemented yet: the LM head's gradient is formed inside TRL's fused "
                 "log-prob kernel, where PROMA does not run. Set proma_lm_head=False (the head then gets what "
                 "proma_other_params says)."
             )
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
-        )
-        check_grpo_state(self)
-        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
-        problem = self._unsupported_setup()
-        if problem:
-            raise NotImplementedError(problem)
-        self._init_surrogate(PROMABackward(args.proma_settings()))
-        self.proma_coverage = self._install_proma()
-        self._proma_index = 0  # this micro-batch's position in the optimizer step (trainer-level counter)
 
-    # ----------------------------------------------------------------------------------------------------- set-up
+    @property
+    def other_params_mode(self) -> str:
+        return self.args.proma_other_params
+
     @property
     def proma_backward(self) -> PROMABackward:
         return self._surrogate_backward
 
-    def _unsupported_setup(self) -> str | None:
+    @property
+    def proma_coverage(self) -> dict:
+        """What PROMA covers (`install.install_layerwise`'s coverage)."""
+        return self.layer_coverage
+
+    @property
+    def _proma_index(self) -> int:
+        """This micro-batch's position in the optimizer step."""
+        return self._step_index
+
+    @_proma_index.setter
+    def _proma_index(self, value: int) -> None:
+        self._step_index = value
+
+    def _unsupported_setup(self, backward=None) -> str | None:
         fsdp2 = self.is_fsdp_enabled and getattr(self.accelerator, "is_fsdp2", False)
         if self.is_deepspeed_enabled or (self.is_fsdp_enabled and not fsdp2):
             return (
@@ -122,28 +107,14 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
             )
         return problem
 
-    def _install_proma(self) -> dict:
-        return install_layerwise(self.proma_backward, self.model, other_params=self.args.proma_other_params,
-                                 lm_head=self.args.proma_lm_head,
-                                 gradient_checkpointing=self.args.gradient_checkpointing)
-
     def remove_proma(self) -> None:
         """Uninstall PROMA's backward (the model's own forwards and TRL's kernel are restored); this trainer cannot
         train afterwards."""
-        self.proma_backward.remove()
+        self.remove_layerwise()
 
     # ------------------------------------------------------------------------------------------------- training
-    def training_step(self, model, inputs, num_items_in_batch):
-        if self._proma_index == 0:  # the first micro-batch of an optimizer step: every chain starts at S = 0
-            self.proma_backward.start_step()
-        output = super().training_step(model, inputs, num_items_in_batch)
-        self._proma_index += 1
-        if self.accelerator.sync_gradients:
-            self._proma_index = 0
-        return output
-
     def _make_micro_batch(self, inputs, mask, advantages, normalizer) -> PROMAMicroBatch:
-        index = self._proma_index
+        index = self._step_index
         steps = self.current_gradient_accumulation_steps
         key = (self.args.seed, self.accelerator.process_index, self.state.global_step, index)
         return PROMAMicroBatch(
@@ -172,13 +143,3 @@ class PROMATrainer(SurrogateLossMixin, GRPOTrainer):
     def _log_surrogate_metrics(self, mode, totals):
         if totals:
             self._metrics[mode]["proma/step_kl"].append(totals[0] / max(totals[1], 1.0))
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the layer metrics (means over the projected layer calls since the last log, over all processes)."""
-        if self.model.training:
-            sums = self.proma_backward.pop_metrics(self.accelerator.device)
-            if self.accelerator.num_processes > 1:
-                sums = self.accelerator.reduce(sums, reduction="sum")
-            for key, value in self.proma_backward.metric_means(sums.cpu()).items():
-                self._metrics["train"][key].append(value)
-        super().log(logs, start_time)

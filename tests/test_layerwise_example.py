@@ -91,7 +91,7 @@ def test_seqclip_trainer_refuses_a_config_it_cannot_honour(tiny_tokenizer, tmp_p
     example = load_example()
     kw = tiny_training_args(tmp_path, per_device_train_batch_size=4, num_generations=4, use_cpu=True)
     model = build_tiny_causal_lm(tiny_tokenizer, seed=0)
-    with pytest.raises(TypeError, match="SeqClipTrainer needs a SeqClipConfig, got GRPOConfig"):
+    with pytest.raises(TypeError, match="SeqClipTrainer needs a SeqClipConfig, got GRPOConfig."):
         example.SeqClipTrainer(model, tiny_reward, args=GRPOConfig(**kw), train_dataset=tiny_prompt_dataset(8),
                                processing_class=tiny_tokenizer)  # fmt: skip
     with pytest.raises(ValueError, match=r"epsilon=0\.3 has no effect: SeqClip does not clip"):

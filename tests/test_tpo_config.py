@@ -119,15 +119,13 @@ def test_check_whole_groups_detects_a_split():
 def test_default_config_names_tags_and_model_card(tiny_model_dir, tiny_tokenizer, tmp_path, monkeypatch):
     from dataclasses import dataclass
 
-    from trl_isopo.tpo import trainer as tpo_trainer
-
     @dataclass
     class CPUDefaults(TPOConfig):  # TRL's defaults ask for bf16 on an accelerator; this machine has none
         use_cpu: bool = True
         bf16: bool = False
         report_to: str = "none"
 
-    monkeypatch.setattr(tpo_trainer, "TPOConfig", CPUDefaults)
+    monkeypatch.setattr(TPOTrainer, "config_class", CPUDefaults)  # the class of the default config
     monkeypatch.chdir(tmp_path)
     trainer = TPOTrainer(
         tiny_model_dir, tiny_reward, train_dataset=tiny_prompt_dataset(8), processing_class=tiny_tokenizer

@@ -74,14 +74,6 @@ class ISOPOTrainer(LayerwiseTrainer):
         return ISOPOBackward(args.isopo_settings())
 
     @property
-    def other_params_mode(self) -> str:
-        return self.args.isopo_other_params
-
-    @property
-    def transforms_lm_head(self) -> bool:
-        return self.args.isopo_lm_head
-
-    @property
     def isopo_backward(self) -> ISOPOBackward:
         """The installed backward object (settings, EMA state, metrics)."""
         return self._surrogate_backward

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import torch
 from transformers.utils import logging
-from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import get_config_model_id
 
-from ..compat import check_grpo_hooks, check_grpo_state
+from ..base_trainer import PackageTrainer
 from ..grpo_terms import entropy_bonus_enabled
-from ..vllm_cpu import apply_cpu_weight_sync
 from .engine import LayerBackward
 from .install import install_layerwise, unsupported_sharding
 from .micro_batch import MicroBatch
@@ -27,51 +24,20 @@ from .surrogate import SurrogateLossMixin
 logger = logging.get_logger(__name__)
 
 
-class LayerwiseTrainer(SurrogateLossMixin, GRPOTrainer):
+class LayerwiseTrainer(SurrogateLossMixin, PackageTrainer):
     """GRPOTrainer whose covered linear layers (trainable `nn.Linear`s, full weights or LoRA's `lora_A` / `lora_B`;
     not the LM head) get the gradient of the rule `make_backward` returns, inside the one backward pass.
 
-    Same constructor and workflow as [`~trl.GRPOTrainer`]. Subclasses set `config_class` (a `GRPOConfig` subclass:
-    the type `args` must have, and the default config's) and implement `make_backward`; they may override
-    `other_params_mode` / `transforms_lm_head` (what the other trainable parameters and the LM head get),
-    `_check_args` (refusals before TRL builds anything) and `_make_micro_batch` (a `MicroBatch` subclass with the
-    rule's own per-micro-batch values).
+    Same constructor and workflow as [`~trl.GRPOTrainer`] (`base_trainer.PackageTrainer`). Subclasses set
+    `config_class` (a `GRPOConfig` subclass: the type `args` must have, and the default config's) and `_name`, and
+    implement `make_backward`; they may override `other_params_mode` / `transforms_lm_head` (what the other trainable
+    parameters and the LM head get), `_check_args` (refusals before TRL builds anything) and `_make_micro_batch` (a
+    `MicroBatch` subclass with the rule's own per-micro-batch values).
     """
 
-    config_class: type[GRPOConfig] = GRPOConfig
     _name = "Layerwise"
 
-    def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: GRPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-        tools=None,
-        rollout_func=None,
-        environment_factory=None,
-    ):
-        # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        if args is None:
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")
-        if not isinstance(args, self.config_class):
-            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(args).__name__}")
-        check_grpo_hooks(type(self).__name__)
-        self._check_args(args)
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
-        )
-        check_grpo_state(self)
-        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
+    def _after_init(self, args) -> None:
         backward = self.make_backward(args)
         problem = self._unsupported_setup(backward)
         if problem:
@@ -91,14 +57,16 @@ class LayerwiseTrainer(SurrogateLossMixin, GRPOTrainer):
 
     @property
     def other_params_mode(self) -> str:
-        """What the trainable parameters outside the covered layers get: "surrogate" (their ordinary gradient of the
-        advantage-free loss, i.e. no reward signal), "advantage_weighted" or "frozen" (`other_params.py`)."""
-        return "surrogate"
+        """What the trainable parameters outside the covered layers get (`other_params.py`): the config's
+        `<prefix>_other_params` field (`isopo_other_params`, ...) where it has one, else "surrogate" (their ordinary
+        gradient of the advantage-free loss, i.e. no reward signal)."""
+        return getattr(self.args, self.layer_backward.method.field("other_params"), "surrogate")
 
     @property
     def transforms_lm_head(self) -> bool:
-        """Whether the rule also transforms the LM head inside TRL's fused kernel (`LayerBackward.head_provider`)."""
-        return False
+        """Whether the rule also transforms the LM head inside TRL's fused kernel (`LayerBackward.head_provider`):
+        the config's `<prefix>_lm_head` field where it has one, else False."""
+        return getattr(self.args, self.layer_backward.method.field("lm_head"), False)
 
     def _check_args(self, args) -> None:
         """Refuse a configuration before TRL builds the trainer, with what to change: the GRPOConfig options the

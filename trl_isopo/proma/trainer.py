@@ -67,10 +67,6 @@ class PROMATrainer(LayerwiseTrainer):
             )
 
     @property
-    def other_params_mode(self) -> str:
-        return self.args.proma_other_params
-
-    @property
     def proma_backward(self) -> PROMABackward:
         return self._surrogate_backward
 

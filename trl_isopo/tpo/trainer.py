@@ -33,14 +33,13 @@ from __future__ import annotations
 import textwrap
 
 import torch
-from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id, shuffle_sequence_dict
+from trl.trainer.utils import shuffle_sequence_dict
 
-from ..compat import buffered_inputs, check_grpo_hooks, check_grpo_state, policy_forward
+from ..base_trainer import PackageTrainer
+from ..compat import buffered_inputs, policy_forward
 from ..grpo_terms import aux_loss_term, entropy_bonus_enabled, entropy_bonus_term, k3_per_token
-from ..vllm_cpu import apply_cpu_weight_sync
 from .config import TPOConfig, tpo_unsupported_options
 from .grouping import check_whole_groups, gather_prompts, shuffle_groups, validate_group_batching
 from .metrics import TPOMetrics, target_sums
@@ -50,7 +49,7 @@ from .target import sequence_logps, tpo_group_stats, tpo_loss, tpo_target
 
 __all__ = ["TPOTrainer"]
 
-class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
+class TPOTrainer(SplitGroupsMixin, PackageTrainer):
     """
     Trainer for Target Policy Optimization (TPO, Kaddour 2026,
     [arXiv 2604.06159](https://huggingface.co/papers/2604.06159)).
@@ -95,6 +94,8 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
 
     _tag_names = ["trl", "trl-isopo", "target-policy-optimization"]
     _name = "Target Policy Optimization"
+    _short_name = "TPO"
+    config_class = TPOConfig
     _paper = {
         "title": "Target Policy Optimization",
         "id": "2604.06159",
@@ -108,32 +109,7 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
             }"""),
     }
 
-    def __init__(
-        self,
-        model,
-        reward_funcs=None,
-        args: TPOConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        reward_processing_classes=None,
-        callbacks=None,
-        optimizers=(None, None),
-        quantization_config=None,
-        peft_config=None,
-        tools=None,
-        rollout_func=None,
-        environment_factory=None,
-    ):
-        # GRPOTrainer 1.16's signature, names, order and defaults (tests/test_isopo_trainer.py checks it).
-        check_grpo_hooks("TPOTrainer")
-        if args is None:
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = TPOConfig(f"{model_name.split('/')[-1]}-TPO")
-        if not isinstance(args, TPOConfig):
-            raise TypeError(
-                f"TPOTrainer needs a TPOConfig (from trl_isopo import TPOConfig), got {type(args).__name__}."
-            )
+    def _check_args(self, args: TPOConfig) -> None:
         # Re-validate: fields may have been changed after TPOConfig.__post_init__ ran.
         if not args.tpo_eta > 0:
             raise ValueError(f"tpo_eta (the target temperature eta) must be > 0, got {args.tpo_eta}.")
@@ -150,12 +126,6 @@ class TPOTrainer(SplitGroupsMixin, GRPOTrainer):
         self._tpo_rewards_per_func = None
         self._tpo_metrics = TPOMetrics()
         self._tpo_coef_step = None  # global_step at which split groups' coefficients were last computed
-        super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory,
-        )
-        apply_cpu_weight_sync(self)  # TRL's weight sync cannot write into vLLM's packed CPU layers
-        check_grpo_state(self)
 
     @staticmethod
     def _loss_mask(inputs) -> torch.Tensor:

@@ -256,3 +256,31 @@ def test_core_from_the_materialized_gradient_equals_the_sequence_cores():
     assert lean.xq is None and lean.dq is None and torch.equal(lean.Q_a, basis.Q_a)
     G_m = torch.einsum("b,boi->oi", A, V)
     assert_matches(core_of(lean, G_m), torch.einsum("b,bij->ij", A, sequence_cores(basis)), 1e-12)
+
+
+def graded_rows(n, d, rank, smallest, seed):
+    """(n, d) float64 rows of rank `rank` with singular values log-spaced from 1 down to `smallest`."""
+    g = torch.Generator().manual_seed(seed)
+    U = torch.linalg.qr(torch.randn(n, rank, generator=g, dtype=F64))[0]
+    W = torch.linalg.qr(torch.randn(d, rank, generator=g, dtype=F64))[0]
+    return U @ torch.diag(torch.logspace(0, torch.log10(torch.tensor(smallest)), rank, dtype=F64)) @ W.T
+
+
+@pytest.mark.parametrize("power_iters", [0, 1, 2])
+def test_float32_bases_resolve_what_float64_does_at_full_rank(power_iters):
+    """k >= rank(X), rank(D): the projector holds the whole micro-batch gradient, so G_m - Pi(G_m) = 0 up to
+    rounding. Singular values down to 1e-3 of the largest, above the column-drop threshold (`rank_rtol`, 1.2e-4 in
+    float32): the float32 residual stays within 1e-5 of G_m (float64: 1e-12) for any number of power iterations, as
+    each power step re-orthonormalizes after X and after X^T (its sketch scales like sigma, not sigma^2). Without
+    that, q >= 1 dropped every direction below about 1e-2 in float32."""
+    B, L, rank = 4, 16, 10
+    X = graded_rows(B * L, 24, rank, 1e-3, seed=0).reshape(B, L, 24)
+    D = graded_rows(B * L, 20, rank, 1e-3, seed=1).reshape(B, L, 20)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    Gm = torch.einsum("blo,bli->oi", D, X)
+    sketches = draw_sketches(B * L, 12, torch.Generator().manual_seed(2), F64, X.device)
+    for dtype, tol in ((F64, 1e-12), (torch.float32, 1e-5)):
+        basis = factored_basis(X.to(dtype), D.to(dtype), mask, 12, power_iters, sketches=sketches, rows=False)
+        assert basis.rank.item() == rank, dtype
+        residual = Gm - project(basis, Gm.to(dtype)).to(F64)
+        assert residual.norm() <= tol * Gm.norm(), (dtype, float(residual.norm() / Gm.norm()))

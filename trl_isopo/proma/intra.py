@@ -6,14 +6,15 @@ gradients delta_t of the advantage-free surrogate. A randomized range finder giv
 approximate top-k right-singular subspaces of X and of D:
 
     k = min(dim, n, d_in, d_out);   Omega_a, Omega_g ~ N(0, 1)^{n x k}, independent
-    Y_a = X^T Omega_a, then q times Y_a <- X^T (X Y_a)      (orthonormalized after every product)   Q_a = basis(Y_a)
+    Y_a = X^T Omega_a, then q times Y_a <- X^T orth(X Y_a)  (orthonormalized after every product)   Q_a = basis(Y_a)
     Y_g = D^T Omega_g, likewise with D                                                               Q_g = basis(Y_g)
     Pi(M) = Q_g (Q_g^T M Q_a) Q_a^T         the orthogonal projector (Q_a Q_a^T) (x) (Q_g Q_g^T) on (d_out, d_in)
 
-and the projected gradient is M - s_i Pi(M). Orthonormalizing after every product spans the same subspace as the
-reference's single QR of (X^T X)^q X^T Omega in exact arithmetic; in float32 it keeps the smaller directions
-resolvable. Columns the sketch cannot resolve (fewer valid rows than k, rank(X) < k, or a direction below
-`rank_rtol` of the largest) are dropped, i.e. set to zero, instead of the arbitrary columns a QR returns for them:
+and the projected gradient is M - s_i Pi(M). Orthonormalizing after every product (after X and after X^T) spans the
+same subspace as the reference's single QR of (X^T X)^q X^T Omega in exact arithmetic; in float32 every sketch then
+scales like the singular values themselves (not their squares), so each direction above `rank_rtol` of the largest
+stays resolvable whatever q. Columns the sketch cannot resolve (fewer valid rows than k, rank(X) < k, or a direction
+below `rank_rtol` of the largest) are dropped, i.e. set to zero, instead of the arbitrary columns a QR returns for them:
 Q Q^T stays the orthogonal projector onto the resolved subspace.
 
 Padding: the row of X or of D at a padding position is zero and the other finite (ISOPO's contract); every product
@@ -129,9 +130,15 @@ def range_basis(
     B, L, _ = T.shape
     om = torch.where(mask.reshape(-1, 1), omega, 0.0).view(B, L, -1)
     Q, kept = orthonormal_columns(rows_transpose_times(T, om, budget_bytes))
+    valid = mask.reshape(B, L, 1)
     for _ in range(power_iters):
         Z = masked_rows_times(T, Q, mask, budget_bytes)  # (B, L, k), zero at padding
-        Q, kept = orthonormal_columns(rows_transpose_times(T, Z, budget_bytes), kept)
+        # Orthonormalize T Q before the product with T^T, so that the next sketch scales like sigma (as the first),
+        # not sigma^2: the column-drop rule then keeps every direction above `rank_rtol` of the largest singular
+        # value in float32 too. Same span in exact arithmetic. The dropped (zero, last) columns of Q get arbitrary
+        # columns here, masked to the valid rows; `kept` keeps them dropped.
+        W = torch.where(valid, torch.linalg.qr(Z.reshape(B * L, -1))[0].view_as(Z), 0.0)
+        Q, kept = orthonormal_columns(rows_transpose_times(T, W, budget_bytes), kept)
     return Q, kept
 
 

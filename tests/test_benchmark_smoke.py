@@ -180,3 +180,25 @@ def test_vllm_generation_summary_drops_the_warm_up_step():
     text = vllm_generation.summarize([record("hf", [99.0, 10.0, 12.0, 14.0], [99.0, 4.0, 5.0, 6.0]),
                                       record("vllm", [1.0, 20.0, 24.0, 28.0], [1.0, 2.0, 2.5, 3.0])])
     assert "grpo: vLLM / HF step time 2.00x, generation 0.50x" in text
+
+
+def test_cost_scaling_benchmark_smoke():
+    """The cost-growth benchmark: its model table at every width (full weights cost more than LoRA, and ISOPO's
+    relative cost falls with L once the "mat" route is picked), and one measured layer at a short L."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cost_scaling.py"), "--widths", "smollm2-135m,qwen3-0.6b",
+           "--seqs", "256,2048", "--measure-seqs", "16;16", "--repeats", "1", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    model = {tuple(c.strip() for c in line.split("|")[1:4]): [float(v) for v in line.split("|")[4:-1]]
+             for line in lines if line.startswith(("| smollm2-135m |", "| qwen3-0.6b |"))}
+    assert len(model) == 8, out.stdout
+    for (name, weights, L), ratios in model.items():
+        assert all(r > 1 for r in ratios), (name, weights, L, ratios)
+        if weights == "full":
+            lora = model[(name, "LoRA r=16", L)]
+            assert all(f > r for f, r in zip(ratios, lora)), (name, L, ratios, lora)
+    assert model[("qwen3-0.6b", "full", "2048")][0] < model[("qwen3-0.6b", "full", "256")][0]
+    measured = [line for line in lines if line.startswith("| smollm2-135m 576->1536 | 16 |")
+                or line.startswith("| qwen3-0.6b 1024->3072 | 16 |")]
+    assert len(measured) == 6 and "malloc cached" in out.stdout, out.stdout

@@ -119,7 +119,7 @@ def isopo_linear_grad(
     w, record, ema, lam = isopo_coefficients(stats, advantages, s, stat_scale, history, coefficients, step_sequences)
     # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.
     w_finite = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
-    gw, gb = reweighted_weight_grad(X, G, w_finite, stats, s.force_half_operands)
+    gw, gb = reweighted_weight_grad(X, G, w_finite, stats, s.force_half_operands, scratch=scratch)
     return LayerGrad(gw, gb if has_bias else None, record, ema, lam)
 
 

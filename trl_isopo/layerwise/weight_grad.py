@@ -5,18 +5,27 @@ from __future__ import annotations
 import torch
 
 from .precision import keeps_half_operands, matmul_f32, stat_dtype
+from .scratch import Scratch
 from .statistics import SequenceStats
 
 
 def reweighted_weight_grad(
-    X: torch.Tensor, G: torch.Tensor, w: torch.Tensor, stats: SequenceStats | None = None, force_half: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+    X: torch.Tensor,
+    G: torch.Tensor,
+    w: torch.Tensor,
+    stats: SequenceStats | None = None,
+    force_half: bool = False,
+    bias: bool = True,
+    scratch: Scratch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sum_i w_i V_i, sum_i w_i b_i): the layer's weight and bias gradients, shapes (d_out, d_in), (d_out,) or None,
     in `stat_dtype(X.dtype)`. w: (B,).
 
     Uses the materialized V when the "mat" route kept it (B d_in d_out MACs), else one GEMM of the row-scaled output
     gradients, (w_seq(t) g_t)^T a_t, in place of autograd's weight-gradient GEMM. Without `stats` the bias gradient
-    is summed over all positions (G must then be the masked operand). `force_half`: as in `precision.py`.
+    is summed over all positions (G must then be the masked operand) unless `bias` is False (a pass over G saved).
+    `force_half`: as in `precision.py`. `scratch`: storage for the row-scaled operand, so that the covered layers
+    of one backward reuse one buffer (a fresh activation-sized tensor per layer faults its pages in on CPU).
     """
     sdt = stat_dtype(X.dtype)
     w = w.to(sdt)
@@ -30,14 +39,19 @@ def reweighted_weight_grad(
         gw = _half_reweighted_gemm(X, G, w, force_half)
     else:  # float32 / float64, or fp16 without a float32-output half GEMM (CPU): float32 GEMM of upcast operands
         X, G = X.to(sdt), G.to(sdt)
-        if G.shape[-1] <= X.shape[-1]:  # scale the narrower operand's rows: sum_t (w_s(t) g_t) a_t^T
-            gw = (G * w.view(-1, 1, 1)).reshape(-1, G.shape[-1]).T @ X.reshape(-1, X.shape[-1])
+        narrow = G if G.shape[-1] <= X.shape[-1] else X  # scale the narrower operand's rows by w_s(t)
+        out = None if scratch is None else scratch.get("scaled", tuple(narrow.shape), sdt, narrow.device)
+        scaled = torch.mul(narrow, w.view(-1, 1, 1), out=out).reshape(-1, narrow.shape[-1])
+        if narrow is G:
+            gw = scaled.T @ X.reshape(-1, X.shape[-1])
         else:
-            gw = G.reshape(-1, G.shape[-1]).T @ (X * w.view(-1, 1, 1)).reshape(-1, X.shape[-1])
+            gw = G.reshape(-1, G.shape[-1]).T @ scaled
     if stats is not None:  # the bias gradient only when the statistics were asked for it (no extra pass over G)
         gb = None if stats.bias_per_seq is None else w @ stats.bias_per_seq
-    else:
+    elif bias:
         gb = (G.to(sdt) * w.view(-1, 1, 1)).sum((0, 1))
+    else:
+        gb = None
     return gw, gb
 
 

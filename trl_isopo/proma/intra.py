@@ -56,9 +56,16 @@ def draw_sketches(
     return Oa, Og
 
 
-def _chunk_rows(B: int, L: int, d: int, k: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def _flat_rows(T: torch.Tensor, k: int, dtype: torch.dtype, budget_bytes: int) -> tuple[torch.Tensor, int]:
+    """(T as (B L, d), rows per chunk): chunks of the flat row axis are contiguous views of a contiguous T (a chunk
+    of the L axis of (B, L, d) is not, and its reshape copied every chunk). Only rows that are upcast need chunks
+    (their float32 copy is bounded by the budget); rows already in `dtype` go in one product."""
+    d = T.shape[-1]
+    rows = T.shape[0] * T.shape[1]
+    if T.dtype == dtype:
+        return T.reshape(rows, d), max(1, rows)
     item = torch.finfo(dtype).bits // 8
-    return max(1, min(L, budget_bytes // max(1, B * (d + k) * item)))
+    return T.reshape(rows, d), max(1, min(rows, budget_bytes // max(1, (d + k) * item)))
 
 
 def masked_rows_times(
@@ -66,27 +73,25 @@ def masked_rows_times(
 ) -> torch.Tensor:
     """(B, L, k) rows t_t^T Q at valid positions, exact zeros at padding; T (B, L, d), Q (d, k), mask (B, L).
     Computed in Q's dtype (half T is upcast chunk by chunk)."""
-    B, L, d = T.shape
+    B, L, _ = T.shape
     k = Q.shape[1]
-    out = torch.empty(B, L, k, dtype=Q.dtype, device=Q.device)
+    Tf, step = _flat_rows(T, k, Q.dtype, budget_bytes)
+    out = torch.empty(B * L, k, dtype=Q.dtype, device=Q.device)
     Qt = Q.T.contiguous()
-    step = _chunk_rows(B, L, d, k, Q.dtype, budget_bytes)
-    for l0 in range(0, L, step):
-        Tc = T[:, l0 : l0 + step].to(Q.dtype).reshape(-1, d)
+    for r0 in range(0, B * L, step):
         # (Q^T Tc^T)^T: the CPU GEMM runs this faster than Tc @ Q when k is not a multiple of 16
-        out[:, l0 : l0 + step] = (Qt @ Tc.T).T.reshape(B, -1, k)
-    return torch.where(mask.unsqueeze(-1), out, 0.0)
+        out[r0 : r0 + step] = (Qt @ Tf[r0 : r0 + step].to(Q.dtype).T).T
+    return torch.where(mask.unsqueeze(-1), out.view(B, L, k), 0.0)
 
 
 def rows_transpose_times(T: torch.Tensor, Z: torch.Tensor, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
     """sum_t t_t z_t^T (d, k) for T (B, L, d) and Z (B, L, k) zero at every padding position, in Z's dtype."""
-    B, L, d = T.shape
-    k = Z.shape[-1]
+    d, k = T.shape[-1], Z.shape[-1]
+    Tf, step = _flat_rows(T, k, Z.dtype, budget_bytes)
+    Zf = Z.reshape(-1, k)
     out = torch.zeros(k, d, dtype=Z.dtype, device=Z.device)
-    step = _chunk_rows(B, L, d, k, Z.dtype, budget_bytes)
-    for l0 in range(0, L, step):
-        Tc = T[:, l0 : l0 + step].to(Z.dtype).reshape(-1, d)
-        out += Z[:, l0 : l0 + step].reshape(-1, k).T @ Tc  # (k, d): faster on CPU than Tc^T @ Z
+    for r0 in range(0, Tf.shape[0], step):
+        out += Zf[r0 : r0 + step].T @ Tf[r0 : r0 + step].to(Z.dtype)  # (k, d): faster on CPU than Tc^T @ Z
     return out.T
 
 
@@ -208,3 +213,26 @@ def expand_core(basis: IntraBasis, core: torch.Tensor) -> torch.Tensor:
 def project(basis: IntraBasis, M: torch.Tensor) -> torch.Tensor:
     """Pi(M) (d_out, d_in): the orthogonal projection of M onto span{q_g q_a^T}."""
     return expand_core(basis, core_of(basis, M))
+
+
+def intra_macs(
+    n: int, d_in: int, d_out: int, dim: int, power_iters: int, macs_per_float: int = 0
+) -> tuple[float, float]:
+    """(products, other): multiply-accumulates of the intra variant (default target) for one layer and micro-batch of
+    n padded rows, k = `sketch_size`. Products: (2q+1) n k (d_in + d_out) for the range finders (padding rows
+    included: the chunks are not compacted), Q_g^T G_m Q_a and the rank-k update Q_g M Q_a^T (2 d_in d_out k +
+    2 d_out k^2). QRs (Householder, m k^2 - k^3/3 MACs for R, as much again to form Q): two of (d x k) per
+    `orthonormal_columns` ((q+1) per side) and one of (n x k) per power step and side. Other: the QRs, plus
+    `macs_per_float` per float of X and D each range-finder pass streams, (2q+1) n (d_in + d_out): a k-column
+    product reads the whole operand for k MACs per float, so it runs at memory speed, not GEMM speed."""
+    k = sketch_size(dim, n, d_in, d_out)
+    q = power_iters
+    products = (2 * q + 1) * n * k * (d_in + d_out) + 2 * d_in * d_out * k + 2 * d_out * k * k
+
+    def qr(m: int, with_q: bool) -> float:
+        return (2 if with_q else 1) * (m * k * k - k**3 / 3)
+
+    # per side: (q+1) x (R only + R and Q) of the (d x k) sketch, q x (R and Q) of the (n x k) rows
+    qrs = sum((q + 1) * (qr(d, False) + qr(d, True)) + q * qr(n, True) for d in (d_in, d_out))
+    stream = (2 * q + 1) * n * (d_in + d_out) * macs_per_float
+    return float(products), float(qrs + stream)

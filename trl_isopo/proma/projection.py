@@ -27,12 +27,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..layerwise.costs import ROUTES
+from ..layerwise.costs import MAT_MACS_PER_FLOAT, ROUTES, gemm_macs, route_costs, v_rows_per_chunk
 from ..layerwise.precision import matmul_f32, stat_dtype
 from ..layerwise.statistics import sequence_statistics
 from ..layerwise.weight_grad import reweighted_weight_grad
 from .accumulation import SOLVERS, accumulation_coefficients, dense_accumulation_step, running_overlaps
-from .intra import INTRA_TARGETS, core_of, factored_basis, sequence_cores
+from .intra import INTRA_TARGETS, core_of, factored_basis, intra_macs, sequence_cores
 
 MODES = ("accumulation", "intra", "both")
 # Order of the entries of `PROMAStep.metrics` (a device vector, reduced by the caller at logging time).
@@ -226,7 +226,7 @@ def proma_layer_step(
         fit_norm = fit_sq.clamp_min(0).sqrt()
         m.update(running_norm=fit_norm, projected_fraction=_ratio(co.kappa * co.p_norm, fit_norm),
                  bound_factor=co.kappa, reduction_pct=_reduction_pct(fit_sq, after_sq))
-    gw, _ = reweighted_weight_grad(X, G, c.to(sdt), stats if acc else None)
+    gw, _ = reweighted_weight_grad(X, G, c.to(sdt), stats if acc else None, bias=False, scratch=scratch)
     if intra:
         target = s.intra_target
         if target == "microbatch":  # Q_g^T G_m Q_a (gw = G_m when accumulation does not run: c = A)
@@ -267,3 +267,56 @@ def proma_layer_step(
         new_running = gw.clone() if S is None else S + gw
     metrics = torch.stack([m[name] for name in METRIC_NAMES]).to(torch.float32)
     return PROMAStep(gw, gb, new_running, new_bias, metrics)
+
+
+def proma_extra_macs(
+    s: PROMASettings,
+    B: int,
+    L: int,
+    d_in: int,
+    d_out: int,
+    *,
+    chained: bool = True,
+    bias: bool = False,
+    gemm_only: bool = False,
+    macs_per_float: int = MAT_MACS_PER_FLOAT,
+    stat_cost: float = 1.0,
+) -> float:
+    """Multiply-accumulates of one active `proma_layer_step` call beyond autograd's weight-gradient GEMM (and its
+    bias sum), for the "accumulation" or the "intra" mode (default intra target); B sequences of padded length L.
+
+    accumulation (`chained`: S_{m-1} exists; else the call is a plain re-weighted GEMM): the kernel K by ISOPO's
+    `route_costs` (ntk), the overlaps <V_i, S> (one pass over a kept V, else one weight-gradient GEMM), the B x B fit.
+    intra: `intra.intra_macs` (range finders, their QRs, the core and the rank-k update). bias: the per-sequence
+    sums (B, 1, L) @ (B, L, d_out) and their weighting (with accumulation, its B x d_out fit).
+    `gemm_only`: only the matrix products (what a MAC counter over mm / bmm / addmm / mv / dot sees; tests), else
+    also the passes over V (accumulation) or over X and D (intra's range finders) at `macs_per_float` per float
+    streamed, and the QRs. `stat_cost`: as in `costs.route_costs`.
+    """
+    if s.mode not in ("accumulation", "intra") or s.intra_target != "microbatch":
+        raise ValueError("proma_extra_macs prices mode 'accumulation' or 'intra' (intra_target 'microbatch')")
+    small = 0.0  # B x B and B-vector products of the fit: w Kh w, A K A (mv + dot each), w . b
+    if s.mode == "accumulation":
+        small = 2 * B * B + 3 * B + (s.sweeps * B * B if s.solver == "gram_schmidt" else 0)
+    macs = 0.0
+    if s.mode == "intra":
+        gemm, other = intra_macs(B * L, d_in, d_out, s.intra_dim, s.intra_power_iters, macs_per_float)
+        macs = stat_cost * (gemm + (0 if gemm_only else other))
+    elif chained:
+        mpf = 0 if gemm_only else macs_per_float
+        cost = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, macs_per_float=mpf, stat_cost=stat_cost)
+        route = cost.best if s.route == "auto" else s.route
+        if gemm_only:
+            macs = gemm_macs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, route, euclidean=True, bias=False)
+        else:
+            macs = getattr(cost, route)
+        if route == "mat" and v_rows_per_chunk(B, d_in, d_out, 0, 4, s.budget_bytes) >= d_out:  # V kept
+            macs += 0 if gemm_only else (1 + macs_per_float) * B * d_in * d_out  # (V * S).sum: one pass over V
+        else:
+            macs += stat_cost * B * L * d_in * d_out  # X S^T or G S
+        macs += small
+    if bias:
+        macs += B * L * d_out + B * d_out  # per-sequence sums, then their weighted sum
+        if s.mode == "accumulation" and chained:
+            macs += B * B * d_out + B * d_out + small  # the bias's own fit: U U^T, U S_b
+    return float(macs)

@@ -56,6 +56,16 @@ def test_model_counts_the_products_proma_layer_step_runs(case, shape):
     B, L = 4, 16
     budget = {} if fits else dict(budget_bytes=B * d_out * d_in * 4 - 1)
     s = proma_settings(mode=mode, route=route, intra_dim=dim, intra_power_iters=q, **budget)
+    check_count(s, B, L, d_in, d_out, chained, bias)
+
+
+def test_auto_route_is_priced_as_the_statistics_pick_it():
+    """At B = 4, L = 8 "auto" picks "gram" for the kernel (with the per-float charge on V); the count of the products
+    alone must still price the route that runs, not the one cheapest without that charge ("mat")."""
+    check_count(proma_settings(mode="accumulation", route="auto"), 4, 8, 24, 40, chained=True, bias=False)
+
+
+def check_count(s, B, L, d_in, d_out, chained, bias):
     g = torch.Generator().manual_seed(d_in)
     mask = torch.rand(B, L, generator=g) > 0.2
     x = torch.randn(B, L, d_in, generator=g, dtype=torch.float64)

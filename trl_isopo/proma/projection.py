@@ -303,12 +303,14 @@ def proma_extra_macs(
         gemm, other = intra_macs(B * L, d_in, d_out, s.intra_dim, s.intra_power_iters, macs_per_float)
         macs = stat_cost * (gemm + (0 if gemm_only else other))
     elif chained:
-        mpf = 0 if gemm_only else macs_per_float
-        cost = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, macs_per_float=mpf, stat_cost=stat_cost)
-        route = cost.best if s.route == "auto" else s.route
+        # the route `sequence_statistics` picks (its default per-float charge), whatever this call prices
+        picked = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, stat_cost=stat_cost)
+        route = picked.best if s.route == "auto" else s.route
         if gemm_only:
             macs = gemm_macs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, route, euclidean=True, bias=False)
         else:
+            cost = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, macs_per_float=macs_per_float,
+                               stat_cost=stat_cost)
             macs = getattr(cost, route)
         if route == "mat" and v_rows_per_chunk(B, d_in, d_out, 0, 4, s.budget_bytes) >= d_out:  # V kept
             macs += 0 if gemm_only else (1 + macs_per_float) * B * d_in * d_out  # (V * S).sum: one pass over V

@@ -19,3 +19,11 @@ def launch_two_processes(script: str, *args: str, timeout: int = 600) -> subproc
     if proc.returncode != 0:
         raise AssertionError(f"2-process run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def end_world() -> None:
+    """The last call of a launched script: without it gloo's worker threads can abort the interpreter's exit
+    (SIGABRT, "terminate called without an active exception") after a successful run."""
+    from accelerate import PartialState
+
+    PartialState().destroy_process_group()

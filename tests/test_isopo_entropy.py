@@ -344,3 +344,6 @@ if __name__ == "__main__":
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _two_process_main(sys.argv[1])
+    from _launch import end_world
+
+    end_world()

@@ -154,3 +154,6 @@ def _two_process_main(out: str):  # run by `accelerate launch` on this file
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _two_process_main(sys.argv[1])
+    from _launch import end_world
+
+    end_world()

@@ -30,3 +30,6 @@ def main(out: str, data_seeds: str):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    from _launch import end_world
+
+    end_world()

@@ -44,3 +44,6 @@ def main(out: str):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    from _launch import end_world
+
+    end_world()

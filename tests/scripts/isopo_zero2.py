@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 
 import torch
 
@@ -105,4 +106,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()
+    from _launch import end_world
+
+    end_world()

@@ -143,4 +143,8 @@ def main():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()
+    from _launch import end_world
+
+    end_world()

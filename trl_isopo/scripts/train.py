@@ -237,8 +237,12 @@ def run(argv: list[str] | None = None, callbacks=None, method: str | None = None
         trainer.push_to_hub(dataset_name=trainer._trl_isopo_dataset_name)
         trainer.accelerator.print(f"Model pushed to https://huggingface.co/{trainer.hub_model_id}.")
     trainer.accelerator.wait_for_everyone()  # rank 0 may still be writing the card / uploading
-    if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
+    # Destroy the process group (transformers >= 5.18 also finishes trackers): left to the interpreter's exit,
+    # gloo's worker threads can abort a successful run with SIGABRT.
+    if hasattr(trainer, "end"):
         trainer.end()
+    else:
+        trainer.accelerator.end_training()
     return trainer
 
 

@@ -50,6 +50,11 @@ class Shapes(NamedTuple):
         return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
 
 
+# Which of `Shapes.linears` read the input of an earlier one in the block (k, v after q; up after gate): PROMA intra
+# computes their input range finder once (`intra.factored_basis`' shared_input; the sketch sizes agree here).
+SHARES_INPUT = (False, True, True, False, False, True, False)
+
+
 MODELS = {  # the models' config.json values
     "smollm2-135m": Shapes(576, 1536, 30, 9, 3, 64, 49152),
     "qwen3-0.6b": Shapes(1024, 3072, 28, 16, 8, 128, 151936),
@@ -72,8 +77,9 @@ def method_settings():
             "proma-acc 512M": PROMAConfig(**proma, proma_mode="accumulation", proma_chunk_mb=512).proma_settings()}
 
 
-def layer_extra(method: str, st, B: int, L: int, d_in: int, d_out: int, stat_cost: float) -> float:
-    """Extra MACs of one covered layer call (no bias, as in Llama / Qwen blocks)."""
+def layer_extra(method: str, st, B: int, L: int, d_in: int, d_out: int, stat_cost: float,
+                input_shared: bool = False) -> float:
+    """Extra MACs of one covered layer call (no bias, as in Llama / Qwen blocks); `input_shared`: see SHARES_INPUT."""
     from trl_isopo.layerwise.costs import gathered_rows, route_costs
     from trl_isopo.proma.projection import proma_extra_macs
 
@@ -82,7 +88,7 @@ def layer_extra(method: str, st, B: int, L: int, d_in: int, d_out: int, stat_cos
         cost = route_costs(B, L, d_in, d_out, S, st.needs_fisher, st.interacting, st.budget_bytes,
                            euclidean=st.needs_euclidean, stat_cost=stat_cost)
         return getattr(cost, cost.best if st.route == "auto" else st.route)
-    return proma_extra_macs(st, B, L, d_in, d_out, chained=True, stat_cost=stat_cost)
+    return proma_extra_macs(st, B, L, d_in, d_out, chained=True, stat_cost=stat_cost, input_shared=input_shared)
 
 
 def model_ratios(m: Shapes, B: int, L: int, lora_rank: int, stat_cost: float) -> dict[str, float]:
@@ -90,14 +96,16 @@ def model_ratios(m: Shapes, B: int, L: int, lora_rank: int, stat_cost: float) ->
     N = B * L
     attention = 3 * B * m.heads * L * L * m.head_dim
     head = N * m.hidden * m.vocab
-    covered = m.linears() if not lora_rank else [s for d_in, d_out in m.linears()
-                                                  for s in ((d_in, lora_rank), (lora_rank, d_out))]
+    # (d_in, d_out, shares its input with an earlier layer): LoRA's A factors read the layer's input, B's their own
+    covered = [(a, b, sh) for (a, b), sh in zip(m.linears(), SHARES_INPUT)] if not lora_rank else \
+        [s for (d_in, d_out), sh in zip(m.linears(), SHARES_INPUT)
+         for s in ((d_in, lora_rank, sh), (lora_rank, d_out, False))]
     base = sum(N * d_in * d_out for d_in, d_out in m.linears())
     if lora_rank:
-        grpo = m.layers * (2 * base + 3 * sum(N * a * b for a, b in covered) + attention) + 2 * head
+        grpo = m.layers * (2 * base + 3 * sum(N * a * b for a, b, _ in covered) + attention) + 2 * head
     else:
         grpo = m.layers * (3 * base + attention) + 3 * head
-    return {name: 1 + m.layers * sum(layer_extra(name, st, B, L, a, b, stat_cost) for a, b in covered) / grpo
+    return {name: 1 + m.layers * sum(layer_extra(name, st, B, L, a, b, stat_cost, sh) for a, b, sh in covered) / grpo
             for name, st in method_settings().items()}
 
 

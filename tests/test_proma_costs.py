@@ -8,6 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from math_settings import proma_settings
+from trl_isopo.layerwise.inputs import SharedInput
+from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.proma.intra import intra_macs, sketch_size
 from trl_isopo.proma.projection import proma_extra_macs, proma_layer_step
 
@@ -65,20 +67,34 @@ def test_auto_route_is_priced_as_the_statistics_pick_it():
     check_count(proma_settings(mode="accumulation", route="auto"), 4, 8, 24, 40, chained=True, bias=False)
 
 
-def check_count(s, B, L, d_in, d_out, chained, bias):
+@pytest.mark.parametrize("q", [0, 1, 2])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_model_counts_a_layer_whose_input_basis_is_shared(shape, q):
+    """The second layer reading an input (k after q) runs no input range finder: `input_shared=True` prices it."""
+    check_count(proma_settings(mode="intra", intra_dim=5, intra_power_iters=q), 4, 16, *shape, chained=False,
+                bias=False, input_shared=True)
+
+
+def check_count(s, B, L, d_in, d_out, chained, bias, input_shared=False):
     g = torch.Generator().manual_seed(d_in)
     mask = torch.rand(B, L, generator=g) > 0.2
     x = torch.randn(B, L, d_in, generator=g, dtype=torch.float64)
     gr = torch.randn(B, L, d_out, generator=g, dtype=torch.float64) * mask.unsqueeze(-1)
     running = torch.randn(d_out, d_in, generator=g, dtype=torch.float64) if chained else None
     running_bias = torch.randn(d_out, generator=g, dtype=torch.float64) if chained and bias else None
+    A = torch.randn(B, generator=g, dtype=torch.float64)
+    shared = None
+    if input_shared:  # the first layer reading x fills the entry, outside the count
+        shared = SharedInput(x, MicroBatch(mask=mask, advantages=A))
+        proma_layer_step(x, gr, mask, A, s, generator=torch.Generator().manual_seed(2), shared_input=shared)
     with MatmulMacs() as counter:
-        proma_layer_step(x, gr, mask, torch.randn(B, generator=g, dtype=torch.float64), s, running=running,
-                         running_bias=running_bias, generator=torch.Generator().manual_seed(1), has_bias=bias)
+        proma_layer_step(x, gr, mask, A, s, running=running, running_bias=running_bias,
+                         generator=torch.Generator().manual_seed(1), has_bias=bias, shared_input=shared)
     counted = counter.macs - B * L * d_in * d_out  # autograd's weight-gradient GEMM, which PROMA replaces
-    assert counted == proma_extra_macs(s, B, L, d_in, d_out, chained=chained, bias=bias, gemm_only=True)
+    kw = dict(chained=chained, bias=bias, input_shared=input_shared)
+    assert counted == proma_extra_macs(s, B, L, d_in, d_out, gemm_only=True, **kw)
     # the full model adds what is no matrix product (QRs, passes over V), never less
-    assert proma_extra_macs(s, B, L, d_in, d_out, chained=chained, bias=bias) >= counted
+    assert proma_extra_macs(s, B, L, d_in, d_out, **kw) >= counted
 
 
 def test_intra_closed_form():

@@ -28,9 +28,30 @@ LORA_TARGETS = ["q_proj", "v_proj", "up_proj"]
 
 
 def make_trainer(tokenizer, out_dir, ga: int, batch_size: int = 4, lora: bool = False, **knobs) -> PROMATrainer:
-    """A float64 tiny-model PROMATrainer fed prepared micro-batches; `knobs`: PROMAConfig fields (and beta)."""
-    return prepared_trainer(PROMATrainer, PROMAConfig, tokenizer, out_dir, ga, batch_size, lora=lora,
-                            lora_targets=LORA_TARGETS, **knobs)
+    """A float64 tiny-model PROMATrainer fed prepared micro-batches; `knobs`: PROMAConfig fields (and beta). The
+    covered layers' backward order is recorded in `trainer.backward_order` (names, first call each)."""
+    trainer = prepared_trainer(PROMATrainer, PROMAConfig, tokenizer, out_dir, ga, batch_size, lora=lora,
+                               lora_targets=LORA_TARGETS, **knobs)
+    backward, order = trainer.proma_backward, []
+    inner = backward.grads
+
+    def grads(call):
+        if call.name not in order:
+            order.append(call.name)
+        return inner(call)
+
+    backward.grads, trainer.backward_order = grads, order
+    return trainer
+
+
+def input_sketch_owners(X: dict, ks: dict, order: list[str]) -> dict[str, str]:
+    """name -> the covered layer whose Omega_a gives this layer's input basis Q_a: the first in backward `order` of
+    the layers reading the same input tensor (same storage and shape) with the same sketch size k."""
+    owners, first = {}, {}
+    for n in order:
+        x = X[n]
+        owners[n] = first.setdefault((x.data_ptr(), tuple(x.shape), ks[n]), n)
+    return owners
 
 
 def micro_batches(tokenizer, seeds) -> list[dict]:
@@ -118,17 +139,23 @@ def oracle_step_grads(trainer: PROMATrainer, window: list[dict], global_step: in
                 continue
             total = sum(a * g for a, g in zip(A.tolist(), grads))
             others[n] = total if n not in others else others[n] + total
-        for layer_index, n in enumerate(covered):
+        B, L = data["mask"].shape
+        ks = {n: sketch_size(s.intra_dim, B * L, data["X"][n].shape[-1], data["G"][n].shape[-1]) for n in covered}
+        owners = input_sketch_owners(data["X"], ks, trainer.backward_order)
+        for n in covered:
             V = data["V"][n]
             Pa = Pg = None
             mode = s.mode if active and not plain else "off"
             if s.intra and mode != "off":
-                X, G, mask = data["X"][n], data["G"][n], data["mask"]
-                B, L = mask.shape
-                k = sketch_size(s.intra_dim, B * L, X.shape[-1], G.shape[-1])
-                key = (trainer.args.seed, process, global_step, index, layer_index)
-                gen = torch.Generator().manual_seed(sketch_seed(*key))
-                Oa, Og = draw_sketches(B * L, k, gen, F64, X.device)
+                X, G, mask, k = data["X"][n], data["G"][n], data["mask"], ks[n]
+
+                def sketches(layer):
+                    gen = torch.Generator().manual_seed(sketch_seed(trainer.args.seed, process, global_step, index,
+                                                                    covered.index(layer)))
+                    return draw_sketches(B * L, k, gen, F64, X.device)
+
+                # Omega_g from the layer's own generator, Omega_a from the one of the first layer reading its input
+                Oa, Og = sketches(owners[n])[0], sketches(n)[1]
                 Qa, Qg = oracle_basis(X, mask, Oa, s.intra_power_iters), oracle_basis(G, mask, Og, s.intra_power_iters)
                 Pa, Pg = Qa @ Qa.T, Qg @ Qg.T
             knobs = dict(s=s.shrinkage, lam=s.ridge, solver=s.solver, sweeps=s.sweeps, bound=s.relative_bound,

@@ -47,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .head.interception import FusedHeadInterception
+from .inputs import InputCache
 from .micro_batch import MicroBatch
 from .other_params import advantage_weighted_forward, check_leaf_module
 from .precision import HALF_DTYPES, matmul_f32, stat_dtype
@@ -89,28 +90,8 @@ def hub_kernels_off(model: nn.Module) -> list[str]:
     return turned_off
 
 
-class InputCache:
-    """The last masked, cast layer input: layers that read the same input (e.g. gate / up) share one copy."""
-
-    def __init__(self):
-        self._entry: tuple | None = None  # (key, masked X, the input x and micro-batch the key was made from)
-
-    def masked(self, x: torch.Tensor, mb: MicroBatch, dt: torch.dtype) -> torch.Tensor:
-        # The entry keeps x and mb alive: otherwise a freed input's address (and a freed micro-batch's id) could be
-        # reused by another layer's input, e.g. one recomputed by gradient checkpointing, and hit a stale copy.
-        key = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype, x.device, id(mb), dt)
-        if self._entry is not None and self._entry[0] == key:
-            return self._entry[1]
-        X = mb.zero_padding(x, dt)
-        self._entry = (key, X, x, mb)
-        return X
-
-    def clear(self) -> None:
-        self._entry = None
-
-
 class LayerBackward:
-    """Base of a per-layer backward (see the module docstring); subclasses implement `layer_grads`. `method`: the
+    """Base of a per-layer backward (see the module docstring); subclasses implement `grads`. `method`: the
     method's name in errors (`MethodName`)."""
 
     def __init__(self, method: MethodName):
@@ -135,7 +116,9 @@ class LayerBackward:
         `LayerCall` (operands cast, one side's padding rows zeroed: `masked_operands`), handed to `grads`."""
         X, G, dt = self.masked_operands(name, x, g, mb)
         index = self.layer_index.get(name, len(self.layer_index))  # a layer called outside `install`: the next index
-        return self.grads(LayerCall(name=name, index=index, X=X, G=G, dtype=dt, mb=mb, has_bias=has_bias))
+        shared = self.inputs.entry(x, mb)
+        return self.grads(LayerCall(name=name, index=index, X=X, G=G, dtype=dt, mb=mb, has_bias=has_bias,
+                                    shared_input=shared))
 
     def start_step(self) -> None:
         """Before the first micro-batch of each optimizer step (`LayerwiseTrainer`): state kept across the

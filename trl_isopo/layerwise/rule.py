@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from .inputs import SharedInput
 from .micro_batch import MicroBatch
 
 
@@ -49,6 +50,9 @@ class LayerCall:
         `seed`, `step_sequences`; a method's `MicroBatch` subclass adds its place in the optimizer step (PROMA's
         `index`, `active`). Immutable; `mb.advantages_as(dtype, device)` gives A_i cast once per micro-batch.
     has_bias: whether the layer has a trainable bias (then `LayerGrads.bias` is its gradient).
+    shared_input: the entry of the layer's input tensor in this micro-batch (`inputs.SharedInput`), common to every
+        covered layer that reads the same input (q/k/v, gate/up): `shared_input.statistic(key, compute)` computes an
+        input-only statistic once for all of them. None where no engine made the call (direct calls, tests).
     """
 
     name: str
@@ -58,6 +62,7 @@ class LayerCall:
     dtype: torch.dtype
     mb: MicroBatch
     has_bias: bool
+    shared_input: SharedInput | None = None
 
     @property
     def mask(self) -> torch.Tensor:

@@ -88,7 +88,7 @@ class PROMABackward(LayerBackward):
         out = proma_layer_step(
             call.X, call.G, mb.mask, call.advantages, s, running=state.weight, running_bias=state.bias,
             generator=generator, active=mb.active, has_bias=call.has_bias, scratch=self.scratch,
-            keep_running=s.needs_running,
+            keep_running=s.needs_running, shared_input=call.shared_input,
         )  # fmt: skip
         state.update(out)
         self._keep(out.metrics, chained)

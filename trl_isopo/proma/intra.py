@@ -170,12 +170,19 @@ def factored_basis(
     sketches: tuple[torch.Tensor, torch.Tensor] | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     rows: bool = True,
+    shared_input=None,
 ) -> IntraBasis:
     """The two range finders of one layer and micro-batch (module docstring). X (B, L, d_in), D (B, L, d_out),
     mask (B, L); k = `sketch_size(dim, B * L, d_in, d_out)`; the sketches come from `generator` (`draw_sketches`)
     unless given as `sketches` ((B L, k) each, tests). Bases in `stat_dtype(X.dtype)` (float32 for half layers).
     `rows=False` skips xq and dq (a pass over X and one over D): the projection of a materialized matrix
-    (`core_of`) does not need them, only the per-sequence cores do."""
+    (`core_of`) does not need them, only the per-sequence cores do.
+
+    `shared_input` (`layerwise.inputs.SharedInput` of X, or None): Q_a and xq depend only on X, the mask and Omega_a,
+    so the layers reading one input compute them once, from the Omega_a of the first of them to run (both sketches
+    are still drawn from every layer's own generator, so its Q_g is what it would be alone). Each layer's Q_a keeps
+    its distribution (a basis from a standard normal sketch independent of the layer's data and of its Omega_g);
+    what changes is only that q/k/v (gate/up) now share one draw. docs/proma.md, "Shared input range finder"."""
     B, L, d_in = X.shape
     d_out = D.shape[-1]
     dt = stat_dtype(X.dtype)
@@ -184,10 +191,20 @@ def factored_basis(
         if generator is None:
             raise ValueError("intra PROMA needs an explicit torch.Generator for its Gaussian sketches")
         sketches = draw_sketches(B * L, k, generator, dt, X.device)
-    Q_a, kept_a = range_basis(X, mask, sketches[0].to(dt), power_iters, budget_bytes)
+
+    def input_basis():
+        return range_basis(X, mask, sketches[0].to(dt), power_iters, budget_bytes)
+
+    key = ("proma_intra_input", k, power_iters, dt, budget_bytes)
+    Q_a, kept_a = input_basis() if shared_input is None else shared_input.statistic(key, input_basis)
     Q_g, kept_g = range_basis(D, mask, sketches[1].to(dt), power_iters, budget_bytes)
-    xq = masked_rows_times(X, Q_a, mask, budget_bytes) if rows else None
-    dq = masked_rows_times(D, Q_g, mask, budget_bytes) if rows else None
+    xq = dq = None
+    if rows:
+        def input_rows():
+            return masked_rows_times(X, Q_a, mask, budget_bytes)
+
+        xq = input_rows() if shared_input is None else shared_input.statistic(key + ("rows",), input_rows)
+        dq = masked_rows_times(D, Q_g, mask, budget_bytes)
     rank = torch.minimum(kept_a.sum(), kept_g.sum())
     return IntraBasis(Q_a, Q_g, xq, dq, rank)
 
@@ -216,7 +233,7 @@ def project(basis: IntraBasis, M: torch.Tensor) -> torch.Tensor:
 
 
 def intra_macs(
-    n: int, d_in: int, d_out: int, dim: int, power_iters: int, macs_per_float: int = 0
+    n: int, d_in: int, d_out: int, dim: int, power_iters: int, macs_per_float: int = 0, input_shared: bool = False
 ) -> tuple[float, float]:
     """(products, other): multiply-accumulates of the intra variant (default target) for one layer and micro-batch of
     n padded rows, k = `sketch_size`. Products: (2q+1) n k (d_in + d_out) for the range finders (padding rows
@@ -224,15 +241,18 @@ def intra_macs(
     2 d_out k^2). QRs (Householder, m k^2 - k^3/3 MACs for R, as much again to form Q): two of (d x k) per
     `orthonormal_columns` ((q+1) per side) and one of (n x k) per power step and side. Other: the QRs, plus
     `macs_per_float` per float of X and D each range-finder pass streams, (2q+1) n (d_in + d_out): a k-column
-    product reads the whole operand for k MACs per float, so it runs at memory speed, not GEMM speed."""
+    product reads the whole operand for k MACs per float, so it runs at memory speed, not GEMM speed.
+    `input_shared`: a layer whose input basis an earlier layer computed (`factored_basis`' shared_input): the input
+    side's range finder and QRs are not paid again."""
     k = sketch_size(dim, n, d_in, d_out)
     q = power_iters
-    products = (2 * q + 1) * n * k * (d_in + d_out) + 2 * d_in * d_out * k + 2 * d_out * k * k
+    sides = (d_out,) if input_shared else (d_in, d_out)
+    products = (2 * q + 1) * n * k * sum(sides) + 2 * d_in * d_out * k + 2 * d_out * k * k
 
     def qr(m: int, with_q: bool) -> float:
         return (2 if with_q else 1) * (m * k * k - k**3 / 3)
 
     # per side: (q+1) x (R only + R and Q) of the (d x k) sketch, q x (R and Q) of the (n x k) rows
-    qrs = sum((q + 1) * (qr(d, False) + qr(d, True)) + q * qr(n, True) for d in (d_in, d_out))
-    stream = (2 * q + 1) * n * (d_in + d_out) * macs_per_float
+    qrs = sum((q + 1) * (qr(d, False) + qr(d, True)) + q * qr(n, True) for d in sides)
+    stream = (2 * q + 1) * n * sum(sides) * macs_per_float
     return float(products), float(qrs + stream)

@@ -163,6 +163,7 @@ def proma_layer_step(
     sketches: tuple[torch.Tensor, torch.Tensor] | None = None,
     scratch=None,
     keep_running: bool = True,
+    shared_input=None,
 ) -> PROMAStep:
     """PROMA weight-gradient increment of one covered linear layer for one micro-batch (module docstring).
 
@@ -183,6 +184,8 @@ def proma_layer_step(
         scratch: ISOPO `Scratch` for the statistics' large temporaries.
         keep_running: return S_m (and the bias's); False returns None for both (`PROMASettings.needs_running`
             says when the next step does not read them: a full-size copy per layer saved).
+        shared_input: the engine's entry of X (`layerwise.inputs.SharedInput`): the intra input range finder is
+            computed once for the layers that read X (`intra.factored_basis`); None computes it here.
     """
     s = settings
     sdt = stat_dtype(X.dtype)
@@ -202,7 +205,7 @@ def proma_layer_step(
         # passes n k (d_in + d_out) over the micro-batch, fewer whenever n > d_in d_out / (d_in + d_out)).
         need_cores = acc and s.intra_target in ("accumulated", "microbatch")
         basis = factored_basis(X, G, mask, s.intra_dim, s.intra_power_iters, generator, sketches=sketches,
-                               budget_bytes=s.budget_bytes, rows=need_cores)
+                               budget_bytes=s.budget_bytes, rows=need_cores, shared_input=shared_input)
         cores = sequence_cores(basis) if need_cores else None
         if S is not None and s.intra_target != "microbatch":
             M_S = core_of(basis, S)
@@ -281,6 +284,7 @@ def proma_extra_macs(
     gemm_only: bool = False,
     macs_per_float: int = MAT_MACS_PER_FLOAT,
     stat_cost: float = 1.0,
+    input_shared: bool = False,
 ) -> float:
     """Multiply-accumulates of one active `proma_layer_step` call beyond autograd's weight-gradient GEMM (and its
     bias sum), for the "accumulation" or the "intra" mode (default intra target); B sequences of padded length L.
@@ -291,7 +295,8 @@ def proma_extra_macs(
     sums (B, 1, L) @ (B, L, d_out) and their weighting (with accumulation, its B x d_out fit).
     `gemm_only`: only the matrix products (what a MAC counter over mm / bmm / addmm / mv / dot sees; tests), else
     also the passes over V (accumulation) or over X and D (intra's range finders) at `macs_per_float` per float
-    streamed, and the QRs. `stat_cost`: as in `costs.route_costs`.
+    streamed, and the QRs. `stat_cost`: as in `costs.route_costs`. `input_shared`: intra, a layer reading the input
+    of an earlier one (q/k/v after the first, up after gate): its input range finder is shared (`intra_macs`).
     """
     if s.mode not in ("accumulation", "intra") or s.intra_target != "microbatch":
         raise ValueError("proma_extra_macs prices mode 'accumulation' or 'intra' (intra_target 'microbatch')")
@@ -300,7 +305,7 @@ def proma_extra_macs(
         small = 2 * B * B + 3 * B + (s.sweeps * B * B if s.solver == "gram_schmidt" else 0)
     macs = 0.0
     if s.mode == "intra":
-        gemm, other = intra_macs(B * L, d_in, d_out, s.intra_dim, s.intra_power_iters, macs_per_float)
+        gemm, other = intra_macs(B * L, d_in, d_out, s.intra_dim, s.intra_power_iters, macs_per_float, input_shared)
         macs = stat_cost * (gemm + (0 if gemm_only else other))
     elif chained:
         # the route `sequence_statistics` picks (its default per-float charge), whatever this call prices

@@ -11,7 +11,8 @@ from math_settings import proma_settings
 from trl_isopo.layerwise.inputs import SharedInput
 from trl_isopo.layerwise.micro_batch import MicroBatch
 from trl_isopo.proma.intra import intra_macs, sketch_size
-from trl_isopo.proma.projection import proma_extra_macs, proma_layer_step
+from trl_isopo.layerwise.costs import route_costs
+from trl_isopo.proma.projection import accumulation_route, proma_extra_macs, proma_layer_step
 
 
 class MatmulMacs(TorchDispatchMode):
@@ -65,6 +66,20 @@ def test_auto_route_is_priced_as_the_statistics_pick_it():
     """At B = 4, L = 8 "auto" picks "gram" for the kernel (with the per-float charge on V); the count of the products
     alone must still price the route that runs, not the one cheapest without that charge ("mat")."""
     check_count(proma_settings(mode="accumulation", route="auto"), 4, 8, 24, 40, chained=True, bias=False)
+
+
+def test_auto_route_counts_the_overlaps():
+    """"auto" picks accumulation's route with the overlaps <V_i, S> priced ("gram": one more weight-gradient GEMM;
+    "mat": a pass over V's chunks). At B = 2, L = 32, 64 -> 128 the kernel alone would go to "gram", K and the
+    overlaps together to "mat"; the step must run the pick (its product count is the model's), and at Qwen3-1.7B's
+    MLP shape with V in chunks (8 x 256 tokens, 2048 -> 6144) the pick is "mat" too."""
+    s = proma_settings(mode="accumulation", route="auto", budget_bytes=10**9)
+    assert route_costs(2, 32, 64, 128, 0, False, True, s.budget_bytes).best == "gram"
+    assert accumulation_route(s, 2, 32, 64, 128) == "mat"
+    check_count(s, 2, 32, 64, 128, chained=True, bias=False)
+    default = proma_settings(mode="accumulation", route="auto")
+    assert route_costs(8, 256, 2048, 6144, 0, False, True, default.budget_bytes).best == "gram"
+    assert accumulation_route(default, 8, 256, 2048, 6144) == "mat"
 
 
 @pytest.mark.parametrize("q", [0, 1, 2])

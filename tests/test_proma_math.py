@@ -243,6 +243,31 @@ def test_running_overlaps_without_materializing(budget):
         assert_matches(running_overlaps(X, G, S, V=V), want, 1e-12)
 
 
+@pytest.mark.parametrize("fisher", [False, True])  # with a Fisher sample and d_out > d_in, V is stored transposed
+@pytest.mark.parametrize("budget", [1, 10**9])  # V in chunks of one output row / V kept whole
+def test_overlaps_summed_in_the_statistics_loop(budget, fisher):
+    """<V_i, S> from the "mat" route's chunk loop equals the per-sequence gradients' inner products; "gram" has none."""
+    from trl_isopo.layerwise.statistics import sequence_statistics
+
+    for d_in, d_out in SHAPES.values():
+        X, G, mask, A, V = micro_batch(d_in=d_in, d_out=d_out, seed=12)
+        S = torch.randn(d_out, d_in, dtype=F64)
+        sample = torch.arange(5) if fisher else None
+        st = sequence_statistics(X, G, sample, fisher, True, "mat", budget, overlap_with=S)
+        assert (st.V is None) == (budget == 1)
+        assert_matches(st.overlaps, flat(V) @ S.reshape(-1), 1e-12)
+        assert sequence_statistics(X, G, sample, fisher, True, "gram", budget, overlap_with=S).overlaps is None
+
+
+def test_chain_with_v_in_chunks_matches_oracle():
+    """V too large for the budget (formed chunk by chunk, not kept): the overlaps come from the chunk loop."""
+    for d_in, d_out in SHAPES.values():
+        batches = chain_batches(M=3, d_in=d_in, d_out=d_out, pad="g_zero")
+        got, _ = run_chain(batches, proma_settings(route="mat", budget_bytes=1))
+        for g, w in zip(got, oracle_chain(batches, **oracle_knobs({}))):
+            assert_matches(g, w)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_operands_against_the_float64_oracle(dtype):
     """Half / float32 operands: float32 statistics, running gradient and projections; the oracle gets the same

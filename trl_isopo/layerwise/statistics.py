@@ -49,6 +49,7 @@ class SequenceStats:
     route: str
     V: torch.Tensor | None = None
     bias_per_seq: torch.Tensor | None = None
+    overlaps: torch.Tensor | None = None
 
 
 
@@ -80,6 +81,7 @@ def sequence_statistics(
     *,
     euclidean: bool = True,
     force_half: bool = False,
+    overlap_with: torch.Tensor | None = None,
 ) -> SequenceStats:
     """Per-sequence statistics of the layer gradient.
 
@@ -99,6 +101,8 @@ def sequence_statistics(
         scratch: reusable storage for the large temporaries: materialized V, Fisher sample rows (fresh if None).
         euclidean: compute e^2 (free with K; on "gram" without K it costs about 0.6x the Fisher numerator).
         force_half: keep half operands where the device has no float32-output half GEMM (`precision.py`).
+        overlap_with: a (d_out, d_in) matrix M: the "mat" route also returns <V_i, M> (B,) as `overlaps`, one pass
+            over each V chunk while it is there (else None: the "gram" route never forms V).
 
     Returns:
         `SequenceStats` in `stat_dtype(X.dtype)`; e2 is None if neither `euclidean` nor `ntk`.
@@ -128,9 +132,10 @@ def sequence_statistics(
         stats = gram_statistics(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, euclidean)
     else:
         stats = materialized_statistics(
-            X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, scratch, euclidean
+            X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, scratch, euclidean,
+            overlap_with,
         )
-    e2, u, K, V = stats
+    e2, u, K, V, overlaps = stats
     if fisher:
         num = (u * u).sum(1)
     bias_per_seq = None
@@ -139,7 +144,8 @@ def sequence_statistics(
             bias_per_seq = G.sum(1) if G.dtype == sdt else G.sum(1, dtype=sdt)
         else:
             bias_per_seq = matmul_f32(mask.to(G.dtype).unsqueeze(1), G).squeeze(1)
-    return SequenceStats(e2=e2, fisher_num=num, fisher_den=den, ntk=K, route=route, V=V, bias_per_seq=bias_per_seq)
+    return SequenceStats(e2=e2, fisher_num=num, fisher_den=den, ntk=K, route=route, V=V, bias_per_seq=bias_per_seq,
+                         overlaps=overlaps)
 
 
 def gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, slot: str) -> torch.Tensor:
@@ -177,7 +183,8 @@ def row_gram(Vf: torch.Tensor) -> torch.Tensor:
 
 
 def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True):
-    """The "gram" route: (e2 (B,) | None, u (B, S') | None, K (B, B) | None, None) from token Gram blocks. XJ, GJ: the
+    """The "gram" route: (e2 (B,) | None, u (B, S') | None, K (B, B) | None, None, None) from token Gram blocks (no V,
+    so no overlaps). XJ, GJ: the
     gathered sample rows (`gather_rows`, S' rows) or None; ntk: form K; budget: bytes per intermediate."""
     B, L, _ = X.shape
     sdt = stat_dtype(X.dtype)  # products and sums (float32 for half operands)
@@ -207,9 +214,9 @@ def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True):
             rows.index_add_(1, seq[r0:], M)  # (c, B): segment sums over t'
             K.index_add_(0, seq[r0:r1], rows)
         K = 0.5 * (K + K.T)  # fold the doubled upper triangle into a symmetric K
-        return torch.diagonal(K).clone(), u, K, None
+        return torch.diagonal(K).clone(), u, K, None, None
     if not euclidean:
-        return None, u, None, None
+        return None, u, None, None, None
     # e_i^2 from the diagonal blocks, upper triangle of each L x L block.
     e2 = torch.zeros(B, dtype=sdt, device=X.device)
     step = min(TRI_ROWS, rows_per_chunk(2 * B * L * item, budget, L))
@@ -217,12 +224,14 @@ def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True):
         t1 = min(L, t0 + step)
         M = matmul_f32(X[:, t0:t1], X[:, t0:].transpose(1, 2)) * matmul_f32(G[:, t0:t1], G[:, t0:].transpose(1, 2))
         e2 += M[:, :, : t1 - t0].sum((1, 2)) + 2 * M[:, :, t1 - t0 :].sum((1, 2))
-    return e2, u, None, None
+    return e2, u, None, None, None
 
 
-def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True):
-    """The "mat" route: (e2, u, K, V) as `gram_statistics`, V (B, d_out, d_in) kept when one chunk holds it.
-    XJ, GJ: the gathered sample rows in `stat_dtype(X.dtype)` (V's dtype)."""
+def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=True, overlap_with=None):
+    """The "mat" route: (e2, u, K, V, overlaps) as `gram_statistics`, V (B, d_out, d_in) kept when one chunk holds
+    it. XJ, GJ: the gathered sample rows in `stat_dtype(X.dtype)` (V's dtype). With `overlap_with` M (d_out, d_in),
+    overlaps = <V_i, M> (B,), summed chunk by chunk (a chunked V then needs no second pass over X and G for them);
+    else None."""
     B, L, d_in = X.shape
     d_out = G.shape[-1]
     sdt = stat_dtype(X.dtype)  # V (float32 for half operands: it feeds the norms and the final sum)
@@ -235,7 +244,8 @@ def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=T
     # needed a transposed copy of V per chunk; a broadcast (S, c) @ (B, c, d_in) ran 1.2-1.4x slower).
     transposed = XJ is not None and min(step, d_out) > d_in
     XJt = XJ.T.contiguous() if transposed else None  # (d_in, S)
-    e2, u, K = [], [], []  # per-chunk terms, summed at the end (one chunk in the common case: no zero-init + add)
+    e2, u, K, b = [], [], [], []  # per-chunk terms, summed at the end (one chunk in the common case: no zero-init + add)
+    M = None if overlap_with is None else overlap_with.to(sdt)
     V = None
     for o0 in range(0, d_out, step):
         o1 = min(d_out, o0 + step)
@@ -247,6 +257,8 @@ def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=T
             out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), sdt, X.device)
             V = matmul_f32(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
             Vf = V.view(B, -1)
+        if M is not None:
+            b.append((V * M[o0:o1]).sum((1, 2)))
         if ntk:  # with K, e^2 = diag K (no extra pass over V)
             K.append(row_gram(Vf))
         elif euclidean:
@@ -260,10 +272,11 @@ def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=T
                 u.append(((V @ XJ.T) * GJ[:, o0:o1].T.contiguous()).sum(1))
     u = sum_terms(u) if XJ is not None else None
     V = V if step >= d_out else None  # kept for the final gradient only when it is the whole V (one chunk)
+    b = None if M is None else sum_terms(b)
     if ntk:
         K = sum_terms(K)
-        return torch.diagonal(K).clone(), u, K, V
-    return (sum_terms(e2) if euclidean else None), u, None, V
+        return torch.diagonal(K).clone(), u, K, V, b
+    return (sum_terms(e2) if euclidean else None), u, None, V, b
 
 
 def sum_terms(terms: list[torch.Tensor]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..layerwise.costs import MAT_MACS_PER_FLOAT, ROUTES, gemm_macs, route_costs, v_rows_per_chunk
+from ..layerwise.costs import MAT_MACS_PER_FLOAT, ROUTES, gemm_macs, route_costs, statistics_cost
 from ..layerwise.precision import matmul_f32, stat_dtype
 from ..layerwise.statistics import sequence_statistics
 from ..layerwise.weight_grad import reweighted_weight_grad
@@ -147,6 +147,18 @@ def _sq(M: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(M).to(torch.float64).square()
 
 
+def accumulation_route(s: PROMASettings, B: int, L: int, d_in: int, d_out: int, stat_cost: float = 1.0) -> str:
+    """The statistics route of accumulation's kernel K and overlaps <V_i, S>: `s.route`, or for "auto" the cheaper of
+    "gram" (K from token Grams; the overlaps one more weight-gradient GEMM) and "mat" (K and the overlaps from the
+    chunks of V, one pass each) by `costs.route_costs` plus the overlaps. `stat_cost`: `costs.statistics_cost`."""
+    if s.route != "auto":
+        return s.route
+    cost = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, stat_cost=stat_cost)
+    gram = cost.gram + stat_cost * B * L * d_in * d_out
+    mat = cost.mat + (1 + MAT_MACS_PER_FLOAT) * B * d_in * d_out
+    return "gram" if gram < mat else "mat"
+
+
 def proma_layer_step(
     X: torch.Tensor,
     G: torch.Tensor,
@@ -213,9 +225,13 @@ def proma_layer_step(
     shrink = 2 * si - si * si  # ||T - s_i Pi T||^2 = ||T||^2 - shrink ||Pi T||^2 (Pi an orthogonal projector)
     if acc:
         if stats is None or stats.ntk is None:
-            stats = sequence_statistics(X, G, None, False, True, s.route, s.budget_bytes, False, mask, scratch)
-        K = stats.ntk.to(f64)
-        b_raw = running_overlaps(X, G, S, stats.V, s.budget_bytes).to(f64)
+            # the "mat" route sums <V_i, S> while each chunk of V is there: with V too large to keep, that saves a
+            # weight-gradient-sized GEMM per layer (running_overlaps without V)
+            route = accumulation_route(s, *X.shape[:2], X.shape[-1], G.shape[-1], statistics_cost(X.dtype, X.device))
+            stats = sequence_statistics(X, G, None, False, True, route, s.budget_bytes, False, mask, scratch,
+                                        overlap_with=S)
+        b_raw = stats.overlaps if stats.overlaps is not None else running_overlaps(X, G, S, stats.V, s.budget_bytes)
+        K, b_raw = stats.ntk.to(f64), b_raw.to(f64)
         g_sq, fit_sq = None, s_sq
         if intra and s.intra_target == "accumulated":  # accumulation fits S' = S - s_i Pi(S)
             b_raw = b_raw - si * (cores * M_S).sum((1, 2)).to(f64)
@@ -308,17 +324,15 @@ def proma_extra_macs(
         gemm, other = intra_macs(B * L, d_in, d_out, s.intra_dim, s.intra_power_iters, macs_per_float, input_shared)
         macs = stat_cost * (gemm + (0 if gemm_only else other))
     elif chained:
-        # the route `sequence_statistics` picks (its default per-float charge), whatever this call prices
-        picked = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, stat_cost=stat_cost)
-        route = picked.best if s.route == "auto" else s.route
+        route = accumulation_route(s, B, L, d_in, d_out, stat_cost)  # the route that runs, whatever this call prices
         if gemm_only:
             macs = gemm_macs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, route, euclidean=True, bias=False)
         else:
             cost = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, macs_per_float=macs_per_float,
                                stat_cost=stat_cost)
             macs = getattr(cost, route)
-        if route == "mat" and v_rows_per_chunk(B, d_in, d_out, 0, 4, s.budget_bytes) >= d_out:  # V kept
-            macs += 0 if gemm_only else (1 + macs_per_float) * B * d_in * d_out  # (V * S).sum: one pass over V
+        if route == "mat":  # (V * S).sum, chunk by chunk in the statistics' loop: one pass over V
+            macs += 0 if gemm_only else (1 + macs_per_float) * B * d_in * d_out
         else:
             macs += stat_cost * B * L * d_in * d_out  # X S^T or G S
         macs += small

@@ -183,9 +183,9 @@ def row_gram(Vf: torch.Tensor) -> torch.Tensor:
 
 
 def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True):
-    """The "gram" route: (e2 (B,) | None, u (B, S') | None, K (B, B) | None, None, None) from token Gram blocks (no V,
-    so no overlaps). XJ, GJ: the
-    gathered sample rows (`gather_rows`, S' rows) or None; ntk: form K; budget: bytes per intermediate."""
+    """The "gram" route: (e2 (B,) | None, u (B, S') | None, K (B, B) | None, None, None) from token Gram blocks (no
+    V, hence no overlaps). XJ, GJ: the gathered sample rows (`gather_rows`, S' rows) or None; ntk: form K; budget:
+    bytes per intermediate."""
     B, L, _ = X.shape
     sdt = stat_dtype(X.dtype)  # products and sums (float32 for half operands)
     item = torch.finfo(sdt).bits // 8
@@ -244,7 +244,7 @@ def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=T
     # needed a transposed copy of V per chunk; a broadcast (S, c) @ (B, c, d_in) ran 1.2-1.4x slower).
     transposed = XJ is not None and min(step, d_out) > d_in
     XJt = XJ.T.contiguous() if transposed else None  # (d_in, S)
-    e2, u, K, b = [], [], [], []  # per-chunk terms, summed at the end (one chunk in the common case: no zero-init + add)
+    e2, u, K, b = [], [], [], []  # per-chunk terms, summed at the end (one chunk in the common case: no zero-init)
     M = None if overlap_with is None else overlap_with.to(sdt)
     V = None
     for o0 in range(0, d_out, step):
@@ -257,8 +257,9 @@ def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=T
             out = None if scratch is None else scratch.get("V", (B, o1 - o0, d_in), sdt, X.device)
             V = matmul_f32(G[:, :, o0:o1].transpose(1, 2), X, out=out)  # (B, c, d_in)
             Vf = V.view(B, -1)
-        if M is not None:
-            b.append((V * M[o0:o1]).sum((1, 2)))
+        if M is not None:  # <V_i, M> as a product with V's flat rows: no V-sized temporary
+            Mc = M[o0:o1].T.contiguous() if transposed else M[o0:o1]
+            b.append(Vf @ Mc.reshape(-1))
         if ntk:  # with K, e^2 = diag K (no extra pass over V)
             K.append(row_gram(Vf))
         elif euclidean:

@@ -331,8 +331,8 @@ def proma_extra_macs(
             cost = route_costs(B, L, d_in, d_out, 0, False, True, s.budget_bytes, macs_per_float=macs_per_float,
                                stat_cost=stat_cost)
             macs = getattr(cost, route)
-        if route == "mat":  # (V * S).sum, chunk by chunk in the statistics' loop: one pass over V
-            macs += 0 if gemm_only else (1 + macs_per_float) * B * d_in * d_out
+        if route == "mat":  # <V_i, S> chunk by chunk in the statistics' loop: one product over V's flat rows
+            macs += B * d_in * d_out + (0 if gemm_only else macs_per_float * B * d_in * d_out)
         else:
             macs += stat_cost * B * L * d_in * d_out  # X S^T or G S
         macs += small

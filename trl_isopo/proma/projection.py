@@ -306,7 +306,8 @@ def proma_extra_macs(
     bias sum), for the "accumulation" or the "intra" mode (default intra target); B sequences of padded length L.
 
     accumulation (`chained`: S_{m-1} exists; else the call is a plain re-weighted GEMM): the kernel K by ISOPO's
-    `route_costs` (ntk), the overlaps <V_i, S> (one pass over a kept V, else one weight-gradient GEMM), the B x B fit.
+    `route_costs` (ntk) on `accumulation_route`'s pick, the overlaps <V_i, S> ("mat": one product over the chunks of V
+    in the statistics' loop; "gram": one weight-gradient GEMM), the B x B fit.
     intra: `intra.intra_macs` (range finders, their QRs, the core and the rank-k update). bias: the per-sequence
     sums (B, 1, L) @ (B, L, d_out) and their weighting (with accumulation, its B x d_out fit).
     `gemm_only`: only the matrix products (what a MAC counter over mm / bmm / addmm / mv / dot sees; tests), else

@@ -51,7 +51,9 @@ class Shapes(NamedTuple):
 
 
 # Which of `Shapes.linears` read the input of an earlier one in the block (k, v after q; up after gate): PROMA intra
-# computes their input range finder once (`intra.factored_basis`' shared_input; the sketch sizes agree here).
+# computes their input range finder once (`intra.factored_basis`' shared_input; the sketch sizes agree here), ISOPO
+# its Fisher sample and, for the layers on "gram" after the first one there, the input products
+# (`statistics.fisher_input_products`). The backward pass meets them in reverse order (v, k, q; up, gate).
 SHARES_INPUT = (False, True, True, False, False, True, False)
 
 
@@ -77,18 +79,35 @@ def method_settings():
             "proma-acc 512M": PROMAConfig(**proma, proma_mode="accumulation", proma_chunk_mb=512).proma_settings()}
 
 
-def layer_extra(method: str, st, B: int, L: int, d_in: int, d_out: int, stat_cost: float,
-                input_shared: bool = False) -> float:
-    """Extra MACs of one covered layer call (no bias, as in Llama / Qwen blocks); `input_shared`: see SHARES_INPUT."""
-    from trl_isopo.layerwise.costs import gathered_rows, route_costs
+def layer_extra(method: str, st, B: int, L: int, d_in: int, d_out: int, stat_cost: float) -> float:
+    """Extra MACs of one covered layer call that reads its input alone (no bias, as in Llama / Qwen blocks)."""
+    return group_extra(method, st, B, L, [(d_in, d_out)], stat_cost)
+
+
+def group_extra(method: str, st, B: int, L: int, group: list[tuple[int, int]], stat_cost: float) -> float:
+    """Extra MACs of the covered layers reading one input, `group` in forward order: PROMA's layers after the first
+    share the input range finder; ISOPO's as `costs.input_group_costs` prices them, in backward order."""
+    from trl_isopo.layerwise.costs import gathered_rows, input_group_costs
     from trl_isopo.proma.projection import proma_extra_macs
 
-    if method == "isopo":
-        S = gathered_rows(min(st.fisher_tokens or B * L, B * L)) if st.needs_fisher else 0
-        cost = route_costs(B, L, d_in, d_out, S, st.needs_fisher, st.interacting, st.budget_bytes,
-                           euclidean=st.needs_euclidean, stat_cost=stat_cost)
-        return getattr(cost, cost.best if st.route == "auto" else st.route)
-    return proma_extra_macs(st, B, L, d_in, d_out, chained=True, stat_cost=stat_cost, input_shared=input_shared)
+    if method != "isopo":
+        return sum(proma_extra_macs(st, B, L, a, b, chained=True, stat_cost=stat_cost, input_shared=i > 0)
+                   for i, (a, b) in enumerate(group))
+    S = gathered_rows(min(st.fisher_tokens or B * L, B * L)) if st.needs_fisher else 0  # the GEMMs' rows
+    costs = input_group_costs(list(reversed(group)), B, L, S, st.needs_fisher, st.interacting, st.budget_bytes,
+                              euclidean=st.needs_euclidean, stat_cost=stat_cost, route=st.route)
+    return sum(getattr(cost, route) for cost, route, _ in costs)
+
+
+def input_groups(linears: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`linears` split into the runs that read one input (SHARES_INPUT), each in forward order."""
+    groups = []
+    for shape, shares in zip(linears, SHARES_INPUT):
+        if shares:
+            groups[-1].append(shape)
+        else:
+            groups.append([shape])
+    return groups
 
 
 def model_ratios(m: Shapes, B: int, L: int, lora_rank: int, stat_cost: float) -> dict[str, float]:
@@ -96,16 +115,16 @@ def model_ratios(m: Shapes, B: int, L: int, lora_rank: int, stat_cost: float) ->
     N = B * L
     attention = 3 * B * m.heads * L * L * m.head_dim
     head = N * m.hidden * m.vocab
-    # (d_in, d_out, shares its input with an earlier layer): LoRA's A factors read the layer's input, B's their own
-    covered = [(a, b, sh) for (a, b), sh in zip(m.linears(), SHARES_INPUT)] if not lora_rank else \
-        [s for (d_in, d_out), sh in zip(m.linears(), SHARES_INPUT)
-         for s in ((d_in, lora_rank, sh), (lora_rank, d_out, False))]
+    # The covered layers by the input they read: LoRA's A factors read the layer's input, each B factor its own.
+    groups = input_groups(m.linears())
+    if lora_rank:
+        groups = [[(d_in, lora_rank) for d_in, _ in g] for g in groups] + [[(lora_rank, d_out)] for _, d_out in m.linears()]
     base = sum(N * d_in * d_out for d_in, d_out in m.linears())
     if lora_rank:
-        grpo = m.layers * (2 * base + 3 * sum(N * a * b for a, b, _ in covered) + attention) + 2 * head
+        grpo = m.layers * (2 * base + 3 * sum(N * a * b for g in groups for a, b in g) + attention) + 2 * head
     else:
         grpo = m.layers * (3 * base + attention) + 3 * head
-    return {name: 1 + m.layers * sum(layer_extra(name, st, B, L, a, b, stat_cost, sh) for a, b, sh in covered) / grpo
+    return {name: 1 + m.layers * sum(group_extra(name, st, B, L, g, stat_cost) for g in groups) / grpo
             for name, st in method_settings().items()}
 
 

@@ -183,12 +183,37 @@ def fmt_mib(b: float) -> str:
     return f"{b / 2**20:.0f}"
 
 
-def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
+def input_groups(trainer, batch) -> list[list[str]]:
+    """The covered layers grouped by the input tensor they read in one forward pass of `batch` (q/k/v, gate/up),
+    each group in forward order."""
+    modules = dict(trainer.model.named_modules())
+    seen, alive, hooks = {}, [], []  # the inputs kept alive: a freed one's address could be reused by the next
+
+    def record(name, x):
+        seen.setdefault((x.data_ptr(), x.shape), []).append(name)
+        alive.append(x)
+
+    for name in trainer.isopo_coverage["covered"]:
+        hooks.append(modules[name].register_forward_pre_hook(lambda _m, args, name=name: record(name, args[0])))
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    try:
+        with torch.no_grad():
+            trainer.model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return list(seen.values())
+
+
+def analytic(trainer, cfg, B, T, valid, settings, groups) -> tuple[float, float, float]:
     """(plain MACs of the step, ISOPO's extra MACs under the routes it picks: the floor, and the part of those that
     runs as matrix products, with the sample as gathered (zero-padded): what FlopCounterMode should count).
 
-    `valid`: the micro-batch's valid (non-padding) positions, from which the Fisher sample is drawn."""
-    from trl_isopo.layerwise.costs import gathered_rows, gemm_macs, route_costs, statistics_cost
+    `valid`: the micro-batch's valid (non-padding) positions, from which the Fisher sample is drawn. `groups`:
+    `input_groups`; the backward pass meets each in reverse order, and the layers after the first one on "gram"
+    reuse its Fisher input products (`costs.input_group_costs`)."""
+    from trl_isopo.layerwise.costs import gathered_rows, gemm_macs, input_group_costs, statistics_cost
 
     H, V = cfg.hidden_size, cfg.vocab_size
     N = B * T
@@ -205,17 +230,19 @@ def analytic(trainer, cfg, B, T, valid, settings) -> tuple[float, float, float]:
     S = (min(k, valid) if k > 0 else valid) if settings.needs_fisher else 0
     # As drawn: a fixed size min(k, B*T) (k <= 0: every position), padding picks included (`fisher_token_sample`).
     S_gathered = gathered_rows((k if 0 < k < N else N) if settings.needs_fisher else 0)
-    covered = set(trainer.isopo_coverage["covered"])
-    for name, m in trainer.model.named_modules():
-        if name in covered:
-            args = (B, T, m.in_features, m.out_features)
-            flags = (settings.needs_fisher, settings.interacting, settings.budget_bytes)
-            c = route_costs(*args, S, *flags, euclidean=settings.needs_euclidean,
-                            stat_cost=statistics_cost(m.weight.dtype, m.weight.device))
-            route = c.best if settings.route == "auto" else settings.route
+    modules = dict(trainer.model.named_modules())
+    flags = (settings.needs_fisher, settings.interacting, settings.budget_bytes)
+    for group in groups:
+        layers = [modules[name] for name in reversed(group)]
+        weight = layers[0].weight
+        priced = input_group_costs([(m.in_features, m.out_features) for m in layers], B, T, S, *flags,
+                                   euclidean=settings.needs_euclidean, route=settings.route,
+                                   stat_cost=statistics_cost(weight.dtype, weight.device),
+                                   item=4 if weight.dtype != torch.float64 else 8)
+        for m, (c, route, shared) in zip(layers, priced):
             extra += getattr(c, route)
-            gemm += gemm_macs(*args, S_gathered, *flags, route, euclidean=settings.needs_euclidean,
-                              bias=m.bias is not None)
+            gemm += gemm_macs(B, T, m.in_features, m.out_features, S_gathered, *flags, route,
+                              euclidean=settings.needs_euclidean, bias=m.bias is not None, input_shared=shared)
     # The advantage-weighted LM head (RowScaledChunkedLogProb) does the same tile work as TRL's kernel: no extra.
     return plain, extra, gemm
 
@@ -303,9 +330,10 @@ def main(argv=None):
             mem = {} if args.no_memory else {k: peak_memory(f) for k, f in runs.items()}
             counted = {k: counted_macs(f) for k, f in runs.items()}
             valid = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+            groups = input_groups(isopo, batch)
             for v in settings:
                 ratios = sorted(a / b for a, b in zip(times[v], times["grpo"]))
-                plain_macs, extra, gemm = analytic(isopo, cfg, args.batch, args.seq, valid, settings[v])
+                plain_macs, extra, gemm = analytic(isopo, cfg, args.batch, args.seq, valid, settings[v], groups)
                 floor = extra / plain_macs
                 ratio = min(times[v]) / min(times["grpo"])
                 q1, q3 = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))

@@ -239,9 +239,15 @@ def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sa
     flat = mask.reshape(-1)
     seen = {}  # per layer: its inputs, Fisher sample and coefficients in the ISOPO backward
 
+    used = {}  # per layer: the Fisher sample it read (the first layer reading an input draws it for the others)
+
+    def sample_used(call, _orig=ctx.shared_fisher_sample):
+        used[call.name] = _orig(call)
+        return used[call.name]
+
     def record(name, x, g, mb, has_bias, _orig=ctx.layer_grads):
-        J = ctx.fisher_sample(name, mb)
         out = _orig(name, x, g, mb, has_bias)
+        J = used[name] if name in used else ctx.fisher_sample(name, mb)  # no sample drawn: J unused
         seen[name] = dict(x=x.detach().clone(), g=g.detach().clone(), J=J[flat[J]], w=ctx.records[-1][5], gw=out[0])
         return out
 
@@ -258,14 +264,14 @@ def test_model_in_half_precision_matches_float64_oracle(model_setup, variant, sa
         else:
             hist[n] = {}
     ctx.ema.ema = {f"{n}/{s}": v * n_tok**2 for n, h in hist.items() for s, v in h.items()}
-    ctx.layer_grads = record
+    ctx.layer_grads, ctx.shared_fisher_sample = record, sample_used
     trainer.model.zero_grad(set_to_none=True)
     try:
         with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=kind == "autocast"):
             with trainer.isopo_active():
                 trainer.compute_loss(trainer.model, inputs).backward()
     finally:
-        del ctx.layer_grads
+        del ctx.layer_grads, ctx.shared_fisher_sample
         ctx.ema.ema = {}
         ctx.ema.discard_step()
         ctx.records.clear()

@@ -8,6 +8,7 @@ Fisher token sample's generators); and from the base, `inputs` (the masked-input
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +94,23 @@ class ISOPOBackward(LayerBackward):
         index = self.layer_index.get(name, len(self.layer_index))  # a module outside the covered layers: its own
         return self.sampler.draw(name, index, self.settings.fisher_tokens, mb, mask)
 
+    def shared_fisher_sample(self, call: LayerCall) -> torch.Tensor:
+        """The Fisher sample of a layer call: one per distinct input and micro-batch, drawn by the first covered layer
+        to read that input in the backward pass (its own seed) and used by every later one (q/k/v; gate/up), so that
+        their input products X a_J^T are made once (`statistics.fisher_input_products`). Each layer's J is still a
+        uniform sample of the micro-batch's valid positions, independent of its data; only the joint law across the
+        layers reading one input changes (docs/isopo.md, "Shared input statistics"). A test's fixed samples
+        (`sampler.override`) stay per layer."""
+        draw = functools.partial(self.fisher_sample, call.name, call.mb)
+        if call.shared_input is None or self.sampler.override is not None:
+            return draw()
+        return call.shared_input.statistic(("isopo_fisher_sample", self.settings.fisher_tokens), draw)
+
     def grads(self, call: LayerCall) -> LayerGrads:
         """ISOPO's weight (and bias) gradient of one covered layer in one micro-batch (`layer.isopo_linear_grad`)."""
         s, name, mb, X, dt = self.settings, call.name, call.mb, call.X, call.dtype
         A = call.advantages
-        sample = self.fisher_sample(name, mb) if s.needs_fisher else None
+        sample = self.shared_fisher_sample(call) if s.needs_fisher else None
         # Few, small tensor ops per layer call (each is a kernel launch on a GPU, ~3 us of dispatch on a CPU): metrics
         # and EMA sums are reduced once per step (`step_metrics`, `EMAStatistics.end_step`), the stored EMA values
         # are read as Python floats.
@@ -105,7 +118,7 @@ class ISOPOBackward(LayerBackward):
         out = isopo_linear_grad(
             X, call.G, mb.mask, A, s, sample=sample, stat_scale=mb.stat_scale_as(dt, X.device),
             history=self.history(name), coefficients=override, has_bias=call.has_bias, scratch=self.scratch,
-            step_sequences=mb.step_sequences,
+            step_sequences=mb.step_sequences, shared_input=call.shared_input,
         )  # fmt: skip
         self.keep(name, out.record, out.ema, out.lam)
         return LayerGrads(out.grad_weight, out.grad_bias)

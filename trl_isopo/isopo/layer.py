@@ -91,6 +91,7 @@ def isopo_linear_grad(
     has_bias: bool = False,
     scratch: Scratch | None = None,
     step_sequences: float | None = None,
+    shared_input=None,
 ) -> LayerGrad:
     """ISOPO weight (and bias) gradient of one linear layer for one micro-batch (the module docstring's equations).
 
@@ -110,11 +111,13 @@ def isopo_linear_grad(
         has_bias: return the bias gradient too.
         scratch: reusable storage for the large temporaries (fresh if None).
         step_sequences: N, the number of sequences in this process's optimizer step (c = 0 only; None = 1).
+        shared_input: the engine's entry of X (`layerwise.inputs.SharedInput`), or None: the "gram" route's Fisher
+            input products are made once for the layers reading X with this sample (`statistics.sequence_statistics`).
     """
     s = settings
     stats = sequence_statistics(
         X, G, sample, s.needs_fisher, s.interacting, s.route, s.budget_bytes, has_bias, mask, scratch,
-        euclidean=s.needs_euclidean, force_half=s.force_half_operands,
+        euclidean=s.needs_euclidean, force_half=s.force_half_operands, shared_input=shared_input,
     )
     w, record, ema, lam = isopo_coefficients(stats, advantages, s, stat_scale, history, coefficients, step_sequences)
     # A non-finite coefficient (overflowing statistics) drops that sequence from this layer, never the run.

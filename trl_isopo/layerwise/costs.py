@@ -72,6 +72,7 @@ def route_costs(
     euclidean: bool = True,
     macs_per_float: int = MAT_MACS_PER_FLOAT,
     stat_cost: float = 1.0,
+    input_shared: bool = False,
 ) -> RouteCost:
     """Analytic extra MACs of each route for one layer and micro-batch (padded layout, B rows of length L).
 
@@ -82,12 +83,14 @@ def route_costs(
     budget, else one more weight-gradient GEMM B L d_in d_out; e^2 B d_in d_out (free as diag K); Fisher
     B S d_in d_out; K B^2 d_in d_out; plus `macs_per_float` per float of V streamed (0: arithmetic only, where every
     term but the e^2 reduction over V is a GEMM; a test counts them against the GEMMs `sequence_statistics` runs).
+    input_shared: the Fisher numerator's input products X a_J^T (B L S d_in) were made by an earlier layer reading
+    the same input (`statistics.fisher_input_products`): "gram" pays only the output side B L S d_out.
     stat_cost: price of a statistics MAC (V's included) relative to a weight-gradient MAC (`statistics_cost`).
     Above 1, V no longer costs what the replaced GEMM costs, and without a kept V the final gradient is the half
     GEMM that replaces autograd's (0 extra).
     """
     dd = d_in + d_out
-    gram = B * L * S * dd if fisher else 0.0
+    gram = B * L * S * (d_out if input_shared else dd) if fisher else 0.0
     if ntk:
         gram += tri_work(B * L, min(TRI_ROWS, B * L)) * dd
     elif euclidean:
@@ -107,15 +110,35 @@ def route_costs(
     return RouteCost(gram=float(stat_cost * gram), mat=float(mat))
 
 
+def input_group_costs(
+    shapes: list[tuple[int, int]], B: int, L: int, S: int, fisher: bool, ntk: bool,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES, *, euclidean: bool = True, stat_cost: float = 1.0, route: str = "auto",
+    item: int = 4,
+) -> list[tuple[RouteCost, str, bool]]:
+    """(cost, route taken, input_shared) of each covered layer reading one input, `shapes` (d_in, d_out) in backward
+    order: the layers after the first one on "gram" find the Fisher input products made, when they fit one block
+    (`fisher_rows_per_chunk`, statistics of `item` bytes), and "auto" prices them without (`route_costs`)."""
+    out, made = [], False
+    one_block = fisher and fisher_rows_per_chunk(B, L, gathered_rows(S), item, budget_bytes) == L
+    for d_in, d_out in shapes:
+        cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost,
+                           input_shared=made)
+        taken = cost.best if route == "auto" else route
+        out.append((cost, taken, made))
+        made = made or (one_block and taken == "gram")
+    return out
+
+
 def gemm_macs(
     B: int, L: int, d_in: int, d_out: int, S: int, fisher: bool, ntk: bool, budget_bytes: int, route: str, *,
-    euclidean: bool, bias: bool,
+    euclidean: bool, bias: bool, input_shared: bool = False,
 ) -> float:
     """The MACs one `layer_grads` call runs as matrix products (mm / bmm, what torch's FlopCounterMode counts) beyond
     autograd's weight-gradient GEMM: `route_costs`' arithmetic without its e^2 reduction over V ("mat"), plus with
     a bias the per-sequence sums (B, 1, L) @ (B, L, d_out) and their weighted sum. S: the sample as gathered
-    (zero-padded to a multiple of SAMPLE_MULTIPLE)."""
-    cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, macs_per_float=0)
+    (zero-padded to a multiple of SAMPLE_MULTIPLE). input_shared: as in `route_costs`."""
+    cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, macs_per_float=0,
+                       input_shared=input_shared)
     macs = getattr(cost, route)
     if route == "mat" and euclidean and not ntk:
         macs -= B * d_in * d_out
@@ -130,6 +153,12 @@ def tri_work(n: int, step: int) -> int:
 
 def rows_per_chunk(row_bytes: int, budget_bytes: int, total: int) -> int:
     return max(1, min(total, budget_bytes // max(row_bytes, 1)))
+
+
+def fisher_rows_per_chunk(B: int, L: int, S: int, item: int, budget_bytes: int) -> int:
+    """Positions t per block of the "gram" route's Fisher numerator: each holds (B, c, S) input and output products
+    (S: the gathered sample's rows). The input products are shared among layers only when this is L (one block)."""
+    return rows_per_chunk(2 * B * S * item, budget_bytes, L)
 
 
 def v_rows_per_chunk(B: int, d_in: int, d_out: int, S: int, item: int, budget_bytes: int) -> int:

@@ -43,6 +43,10 @@ class SharedInput:
             self.statistics[key] = compute()
         return self.statistics[key]
 
+    def peek(self, key: tuple) -> object | None:
+        """The statistic named `key` if a layer already computed it, else None (nothing is computed)."""
+        return self.statistics.get(key)
+
 
 class InputCache:
     """The `ENTRIES` most recent distinct layer inputs of the open micro-batch (module docstring)."""

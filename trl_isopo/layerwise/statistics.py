@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .costs import DEFAULT_BUDGET_BYTES, ROUTES, TRI_ROWS, gathered_rows, route_costs, rows_per_chunk, statistics_cost
-from .costs import v_rows_per_chunk
+from .costs import fisher_rows_per_chunk, v_rows_per_chunk
 from .precision import matmul_f32, stat_dtype
 from .scratch import Scratch
 
@@ -82,6 +82,7 @@ def sequence_statistics(
     euclidean: bool = True,
     force_half: bool = False,
     overlap_with: torch.Tensor | None = None,
+    shared_input=None,
 ) -> SequenceStats:
     """Per-sequence statistics of the layer gradient.
 
@@ -103,6 +104,10 @@ def sequence_statistics(
         force_half: keep half operands where the device has no float32-output half GEMM (`precision.py`).
         overlap_with: a (d_out, d_in) matrix M: the "mat" route also returns <V_i, M> (B,) as `overlaps`, one pass
             over each V chunk while it is there (else None: the "gram" route never forms V).
+        shared_input: the engine's entry of this layer's input (`layerwise.inputs.SharedInput`), or None: on the
+            "gram" route the Fisher numerator's input products X a_J^T are made once per input and sample
+            (`fisher_input_products`; needs `mask`), and "auto" prices a layer whose input products exist without
+            them.
 
     Returns:
         `SequenceStats` in `stat_dtype(X.dtype)`; e2 is None if neither `euclidean` nor `ntk`.
@@ -116,20 +121,31 @@ def sequence_statistics(
     if fisher and sample is None:
         raise ValueError("the Fisher estimate needs a token sample")
     S = int(sample.numel()) if fisher else 0
+    # The input products are shared when the numerator runs in one block (else they would exceed the budget).
+    share = fisher and shared_input is not None and mask is not None
+    share = share and fisher_rows_per_chunk(B, L, gathered_rows(S), item_bytes(sdt), budget_bytes) == L
+    key = ("isopo_fisher_input", sample.data_ptr(), S, X.dtype, budget_bytes) if share else None
     if route == "auto":
-        cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost)
+        cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost,
+                           input_shared=share and shared_input.peek(key) is not None)
         route = cost.best
 
     num = den = None
+    input_products = None
     if fisher:
-        XJ, GJ = (gather_rows(T, sample, scratch, slot) for T, slot in ((X, "XJ"), (G, "GJ")))
+        if share and route == "gram":
+            _, XJ, input_products = shared_input.statistic(key, lambda: fisher_input_products(X, sample, mask))
+        else:
+            XJ = gather_rows(X, sample, scratch, "XJ")
+        GJ = gather_rows(G, sample, scratch, "GJ")
         # No absolute "+ 1e-12" (the reference's): |g_j| carries the loss normalization; 0 is handled by fisher_norm.
         den = torch.linalg.vector_norm(row_norms(GJ[:S], sdt) * row_norms(XJ[:S], sdt))
         if route == "mat" and XJ.dtype != sdt:  # "mat" contracts them with V (float32): the small factors upcast
             XJ, GJ = XJ.to(sdt), GJ.to(sdt)
 
     if route == "gram":
-        stats = gram_statistics(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, euclidean)
+        stats = gram_statistics(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, euclidean,
+                                input_products)
     else:
         stats = materialized_statistics(
             X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, scratch, euclidean,
@@ -146,6 +162,25 @@ def sequence_statistics(
             bias_per_seq = matmul_f32(mask.to(G.dtype).unsqueeze(1), G).squeeze(1)
     return SequenceStats(e2=e2, fisher_num=num, fisher_den=den, ntk=K, route=route, V=V, bias_per_seq=bias_per_seq,
                          overlaps=overlaps)
+
+
+def item_bytes(dt: torch.dtype) -> int:
+    return torch.finfo(dt).bits // 8
+
+
+def fisher_input_products(X: torch.Tensor, sample: torch.Tensor, mask: torch.Tensor):
+    """(sample, XJ (S', d_in), P (B, L, S')): the input side of the "gram" route's Fisher numerator as the masked
+    input gives it, whichever operand the layer masked: the gathered sample rows of X with padding rows zeroed, and
+    P[i, t, j] = a_t . a_j with padding positions t zeroed. A layer whose G is the masked operand gets the same
+    numerator from these (its padding rows of G are zero, so those terms were 0 already). Nothing here depends on the
+    layer's output side: every layer reading X with the same sample shares them (`sequence_statistics`'
+    shared_input). `sample` is returned so that its storage, part of the key, lives as long as the entry."""
+    XJ = gather_rows(X, sample, None, "")
+    S = sample.numel()
+    XJ[:S] *= mask.reshape(-1)[sample].unsqueeze(1).to(XJ.dtype)
+    P = matmul_f32(X, XJ.T)
+    P *= mask.unsqueeze(2).to(P.dtype)
+    return sample, XJ, P
 
 
 def gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, slot: str) -> torch.Tensor:
@@ -182,10 +217,11 @@ def row_gram(Vf: torch.Tensor) -> torch.Tensor:
 
 
 
-def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True):
+def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True, input_products=None):
     """The "gram" route: (e2 (B,) | None, u (B, S') | None, K (B, B) | None, None, None) from token Gram blocks (no
     V, hence no overlaps). XJ, GJ: the gathered sample rows (`gather_rows`, S' rows) or None; ntk: form K; budget:
-    bytes per intermediate."""
+    bytes per intermediate; input_products: X XJ^T (B, L, S') made once for the layers reading X
+    (`fisher_input_products`, when the numerator runs in one block), or None."""
     B, L, _ = X.shape
     sdt = stat_dtype(X.dtype)  # products and sums (float32 for half operands)
     item = torch.finfo(sdt).bits // 8
@@ -194,9 +230,9 @@ def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True):
         # u[i, j] = sum_{t in i} (a_t . a_j)(g_t . g_j): (B, c, S) blocks over positions t.
         S = XJ.shape[0]
         u = torch.zeros(B, S, dtype=sdt, device=X.device)
-        step = rows_per_chunk(2 * B * S * item, budget, L)
+        step = fisher_rows_per_chunk(B, L, S, item, budget)
         for t0 in range(0, L, step):
-            Ga = matmul_f32(X[:, t0 : t0 + step], XJ.T)
+            Ga = matmul_f32(X[:, t0 : t0 + step], XJ.T) if input_products is None else input_products
             Gg = matmul_f32(G[:, t0 : t0 + step], GJ.T)
             u += (Ga * Gg).sum(1)
     if ntk:

@@ -53,7 +53,7 @@ class Shapes(NamedTuple):
 # Which of `Shapes.linears` read the input of an earlier one in the block (k, v after q; up after gate): PROMA intra
 # computes their input range finder once (`intra.factored_basis`' shared_input; the sketch sizes agree here), ISOPO
 # its Fisher sample and, for the layers on "gram" after the first one there, the input products
-# (`statistics.fisher_input_products`). The backward pass meets them in reverse order (v, k, q; up, gate).
+# (`statistics.gram_input_statistics`). The backward pass meets them in reverse order (v, k, q; up, gate).
 SHARES_INPUT = (False, True, True, False, False, True, False)
 
 

@@ -137,7 +137,7 @@ def layer_breakdown(trainer, mask, variant_settings, repeats, step_ms, end_step_
     The implied step ratio adds `end_step_ms[variant]`, the measured once-per-step reductions (EMA fold, metrics).
     A last column prices the per-call fixed cost, measured on a PROBE_WIDTH-wide layer, times the number of calls.
     Each layer runs alone here: the Fisher input products that the layers reading one input share in the step
-    (q/k/v, gate/up: `statistics.fisher_input_products`) are paid by each, so the sums bound the step's from above.
+    (q/k/v, gate/up: `statistics.gram_input_statistics`) are paid by each, so the sums bound the step's from above.
     """
     end_step_ms = end_step_ms or {}
     from collections import Counter

@@ -48,12 +48,13 @@ def backward(**knobs) -> ISOPOBackward:
 
 @pytest.mark.parametrize("route", ["gram", "auto"])
 @pytest.mark.parametrize("k", [5, 40], ids=["sampled", "with-padding"])  # 19 valid of 24 positions
-@pytest.mark.parametrize("knobs", [dict(p=-1.0, reg=0.0), dict(p=-1.0, reg=1.0), dict(p=0.0, q=-1.0, r=-2.0)],
-                         ids=["p=-1,c=0", "p=-1,c=1", "fig6"])
+@pytest.mark.parametrize("knobs", [dict(p=-1.0, reg=0.0), dict(p=-1.0, reg=1.0), dict(p=0.0, q=-1.0, r=-2.0),
+                                   dict(p=0.0, q=-1.0, reg=1.0)], ids=["p=-1,c=0", "p=-1,c=1", "fig6", "q=-1,c=1"])
 def test_follower_equals_unshared_layer_fed_the_first_layers_sample(route, k, knobs):
-    """Both layers read one input tensor x: the first draws J and makes X a_J^T; the follower reuses both. Its
-    gradient, bias gradient and metrics record equal those of an unshared call (a copy of x, so no cache hit) with
-    the first layer's sample, bit for bit; the first layer's equal its unshared call."""
+    """Both layers read one input tensor x: the first draws J and makes the input side (X a_J^T; the e^2 blocks
+    X_i X_i^T for q, r != 0); the follower reuses them. Its gradient, bias gradient and metrics record equal those of
+    an unshared call (a copy of x, so no cache hit) with the first layer's sample, bit for bit; the first layer's
+    equal its unshared call. q = -1 alone draws no sample: its shared e^2 blocks are exact."""
     x, (g1, g2), mask, A = operands(k)
     settings = dict(knobs, route=route, fisher_tokens=k)
     ctx = backward(**settings)
@@ -62,15 +63,16 @@ def test_follower_equals_unshared_layer_fed_the_first_layers_sample(route, k, kn
     ctx.shared_fisher_sample = lambda call: drawn.append(inner(call)) or drawn[-1]
     mb = MicroBatch(mask=mask, advantages=A, seed=3)
     shared = [ctx.layer_grads(name, x, g, mb, True) for name, g in (("first", g1), ("follower", g2))]
-    assert drawn[0] is drawn[1]  # one sample for both
+    fisher = ctx.settings.needs_fisher
+    assert (drawn[0] is drawn[1]) if fisher else not drawn  # one sample for both
     assert len(ctx.inputs._entries) == 1
     entry = next(iter(ctx.inputs._entries.values()))
     # A layer on "gram" made them (with k = 40 under "auto" the first layer takes "mat", the follower "gram").
-    assert any(key[0] == "isopo_fisher_input" for key in entry.statistics)
+    assert any(key[0] == "isopo_gram_input" for key in entry.statistics)
     records = ctx.records[:]
     for i, (name, g) in enumerate((("first", g1), ("follower", g2))):
         ref = backward(**settings)
-        ref.sampler.override = {name: drawn[0]}  # per layer: no sharing
+        ref.sampler.override = {name: drawn[0]} if fisher else None  # per layer: no sharing
         gw, gb = ref.layer_grads(name, x.clone(), g, MicroBatch(mask=mask, advantages=A, seed=3), True)
         assert torch.equal(gw, shared[i][0]) and torch.equal(gb, shared[i][1]), name
         assert torch.equal(ref.records[0], records[i]), name
@@ -105,6 +107,27 @@ def test_input_products_kept_only_when_they_fit_one_block():
     assert [key[0] for key in entry.statistics] == ["isopo_fisher_sample"]
 
 
+def test_input_side_kept_within_half_the_budget_for_the_euclidean_blocks():
+    """`costs.gram_input_kept`: the e^2 blocks (B tri(L) floats) are kept up to half the budget; one float more and
+    every layer makes its own (q = -1, no sample)."""
+    b, l = 2, 160  # rows in blocks of 64 (`costs.TRI_ROWS`) against the remaining columns
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(b, l, generator=g) > 0.1
+    x, g1, g2 = (torch.randn(b, l, d, generator=g, dtype=F64) for d in (D_IN, FIRST, FOLLOWER))
+    step = costs.euclid_rows_per_chunk(b, l, 8, costs.DEFAULT_BUDGET_BYTES)
+    need = b * costs.tri_work(l, step) * 8
+    assert step == costs.TRI_ROWS and need == b * (64 * 160 + 64 * 96 + 32 * 32) * 8
+    for budget, kept in ((2 * need, True), (2 * need - 16, False)):
+        assert costs.euclid_rows_per_chunk(b, l, 8, budget) == step
+        assert costs.gram_input_kept(b, l, 0, False, True, 8, budget) == kept
+        ctx = backward(p=0.0, q=-1.0, route="gram", budget_bytes=budget)
+        mb = MicroBatch(mask=mask, advantages=torch.randn(b, generator=g, dtype=F64), seed=4)
+        for name, gr in (("first", g1), ("follower", g2)):
+            ctx.layer_grads(name, x, gr, mb, False)
+        entry = next(iter(ctx.inputs._entries.values()))
+        assert len(entry.statistics) == kept
+
+
 def test_auto_prices_a_follower_without_the_input_side(monkeypatch):
     """At a shape where the input side decides, "auto" picks "mat" for the first layer and "gram" for a follower
     whose input products exist (the model: `route_costs(..., input_shared=True)`)."""
@@ -137,10 +160,12 @@ def test_auto_prices_a_follower_without_the_input_side(monkeypatch):
     assert routes == ["gram", "gram", "mat"]
 
 
+@pytest.mark.parametrize("knobs", [dict(p=-1.0), dict(p=0.0, q=-1.0), dict(p=-1.0, q=-1.0)], ids=["p", "q", "pq"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_follower_gemm_count_is_the_models(bias):
+def test_follower_gemm_count_is_the_models(bias, knobs):
     """torch's FlopCounterMode over a follower's `layer_grads` call on "gram": the output side of the Fisher
-    numerator only, `costs.gemm_macs(..., input_shared=True)`, B L S d_out (plus the bias products)."""
+    numerator and of the e^2 blocks only, `costs.gemm_macs(..., input_shared=True)`: B L S d_out and B tri(L) d_out
+    (plus the bias products)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     b, l, d_in, d_out, k = 4, 16, 24, 40, 10
@@ -148,15 +173,18 @@ def test_follower_gemm_count_is_the_models(bias):
     g = torch.Generator().manual_seed(7)
     mask = torch.rand(b, l, generator=g) > 0.2
     x = torch.randn(b, l, d_in, generator=g)
-    ctx = backward(p=-1.0, route="gram", fisher_tokens=k)
+    ctx = backward(**knobs, route="gram", fisher_tokens=k)
+    st = ctx.settings
     mb = MicroBatch(mask=mask, advantages=torch.randn(b, generator=g), seed=2)
     ctx.layer_grads("first", x, torch.randn(b, l, d_out, generator=g), mb, bias)
     with FlopCounterMode(display=False) as counter:
         ctx.layer_grads("follower", x, torch.randn(b, l, d_out, generator=g), mb, bias)
     counted = counter.get_total_flops() / 2 - b * l * d_in * d_out  # less the weight-gradient GEMM
-    assert counted == costs.gemm_macs(b, l, d_in, d_out, S, True, False, costs.DEFAULT_BUDGET_BYTES, "gram",
-                                      euclidean=False, bias=bias, input_shared=True)
-    assert counted - (b * (l + 1) * d_out if bias else 0) == b * l * S * d_out
+    S = S if st.needs_fisher else 0
+    assert counted == costs.gemm_macs(b, l, d_in, d_out, S, st.needs_fisher, False, costs.DEFAULT_BUDGET_BYTES,
+                                      "gram", euclidean=st.needs_euclidean, bias=bias, input_shared=True)
+    euclid = b * costs.tri_work(l, l) * d_out if st.needs_euclidean else 0
+    assert counted - (b * (l + 1) * d_out if bias else 0) == b * l * S * d_out + euclid
 
 
 def test_follower_fisher_estimate_keeps_its_distribution():
@@ -194,13 +222,13 @@ def test_sample_and_input_products_once_per_input_in_a_training_step(tiny_tokeni
     set of input products per distinct input and micro-batch (full weights: 4 inputs for 7 layers per block; LoRA on
     q, v, up: 5 inputs for 6 factors)."""
     draws, products = [], []
-    inner_products = statistics.fisher_input_products
+    inner_products = statistics.gram_input_statistics
 
     def count_products(*args):
         products.append(args[0].shape)
         return inner_products(*args)
 
-    monkeypatch.setattr(statistics, "fisher_input_products", count_products)
+    monkeypatch.setattr(statistics, "gram_input_statistics", count_products)
     trainer = prepared_trainer(ISOPOTrainer, ISOPOConfig, tiny_tokenizer, tmp_path, ga=2, batch_size=4, lora=lora,
                                isopo_fisher_tokens=6, isopo_route="gram")
     sampler = trainer.isopo_backward.sampler

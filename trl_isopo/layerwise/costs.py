@@ -83,18 +83,20 @@ def route_costs(
     budget, else one more weight-gradient GEMM B L d_in d_out; e^2 B d_in d_out (free as diag K); Fisher
     B S d_in d_out; K B^2 d_in d_out; plus `macs_per_float` per float of V streamed (0: arithmetic only, where every
     term but the e^2 reduction over V is a GEMM; a test counts them against the GEMMs `sequence_statistics` runs).
-    input_shared: the Fisher numerator's input products X a_J^T (B L S d_in) were made by an earlier layer reading
-    the same input (`statistics.fisher_input_products`): "gram" pays only the output side B L S d_out.
+    input_shared: the input side of "gram" (the Fisher numerator's products X a_J^T and the e^2 blocks X_i X_i^T)
+    was made by an earlier layer reading the same input (`statistics.gram_input_statistics`): "gram" pays only the
+    output side of those terms (d_out for d_in + d_out); K's are not shared.
     stat_cost: price of a statistics MAC (V's included) relative to a weight-gradient MAC (`statistics_cost`).
     Above 1, V no longer costs what the replaced GEMM costs, and without a kept V the final gradient is the half
     GEMM that replaces autograd's (0 extra).
     """
     dd = d_in + d_out
-    gram = B * L * S * (d_out if input_shared else dd) if fisher else 0.0
+    side = d_out if input_shared else dd
+    gram = B * L * S * side if fisher else 0.0
     if ntk:
         gram += tri_work(B * L, min(TRI_ROWS, B * L)) * dd
     elif euclidean:
-        gram += B * tri_work(L, min(TRI_ROWS, L)) * dd
+        gram += B * tri_work(L, min(TRI_ROWS, L)) * side
     # V is kept for the final sum only if it fits the budget (float32); else the final gradient is one more GEMM.
     fits = v_rows_per_chunk(B, d_in, d_out, S if fisher else 0, 4, budget_bytes) >= d_out
     passes = MAT_PASSES_OVER_V - (not (euclidean or ntk)) - (not fits)  # write; e^2 or K read; final-sum read
@@ -116,10 +118,10 @@ def input_group_costs(
     item: int = 4,
 ) -> list[tuple[RouteCost, str, bool]]:
     """(cost, route taken, input_shared) of each covered layer reading one input, `shapes` (d_in, d_out) in backward
-    order: the layers after the first one on "gram" find the Fisher input products made, when they fit one block
-    (`fisher_rows_per_chunk`, statistics of `item` bytes), and "auto" prices them without (`route_costs`)."""
+    order: the layers after the first one on "gram" find its input side made, when it is kept (`gram_input_kept`,
+    statistics of `item` bytes), and "auto" prices them without (`route_costs`)."""
     out, made = [], False
-    one_block = fisher and fisher_rows_per_chunk(B, L, gathered_rows(S), item, budget_bytes) == L
+    one_block = gram_input_kept(B, L, S, fisher, euclidean and not ntk, item, budget_bytes)
     for d_in, d_out in shapes:
         cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost,
                            input_shared=made)
@@ -157,8 +159,24 @@ def rows_per_chunk(row_bytes: int, budget_bytes: int, total: int) -> int:
 
 def fisher_rows_per_chunk(B: int, L: int, S: int, item: int, budget_bytes: int) -> int:
     """Positions t per block of the "gram" route's Fisher numerator: each holds (B, c, S) input and output products
-    (S: the gathered sample's rows). The input products are shared among layers only when this is L (one block)."""
+    (S: the gathered sample's rows)."""
     return rows_per_chunk(2 * B * S * item, budget_bytes, L)
+
+
+def euclid_rows_per_chunk(B: int, L: int, item: int, budget_bytes: int) -> int:
+    """Rows t per block of the "gram" route's e^2: (B, c, L - t0) input and output products against columns t0..L."""
+    return min(TRI_ROWS, rows_per_chunk(2 * B * L * item, budget_bytes, L))
+
+
+def gram_input_kept(B: int, L: int, S: int, fisher: bool, euclidean: bool, item: int, budget_bytes: int) -> bool:
+    """Whether the "gram" route's input side (`statistics.gram_input_statistics`) is kept for the other layers reading
+    the input: there is one (Fisher numerator, or e^2 without K), the Fisher products fit one block
+    (`fisher_rows_per_chunk`) and the e^2 blocks, B tri(L) floats, half the budget."""
+    if fisher and fisher_rows_per_chunk(B, L, gathered_rows(S), item, budget_bytes) < L:
+        return False
+    if euclidean:
+        return B * tri_work(L, euclid_rows_per_chunk(B, L, item, budget_bytes)) * item <= budget_bytes // 2
+    return fisher
 
 
 def v_rows_per_chunk(B: int, d_in: int, d_out: int, S: int, item: int, budget_bytes: int) -> int:

@@ -24,11 +24,12 @@ with each other and with brute-force per-sequence autograd). Dtypes follow `prec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .costs import DEFAULT_BUDGET_BYTES, ROUTES, TRI_ROWS, gathered_rows, route_costs, rows_per_chunk, statistics_cost
-from .costs import fisher_rows_per_chunk, v_rows_per_chunk
+from .costs import euclid_rows_per_chunk, fisher_rows_per_chunk, gram_input_kept, v_rows_per_chunk
 from .precision import matmul_f32, stat_dtype
 from .scratch import Scratch
 
@@ -105,9 +106,9 @@ def sequence_statistics(
         overlap_with: a (d_out, d_in) matrix M: the "mat" route also returns <V_i, M> (B,) as `overlaps`, one pass
             over each V chunk while it is there (else None: the "gram" route never forms V).
         shared_input: the engine's entry of this layer's input (`layerwise.inputs.SharedInput`), or None: on the
-            "gram" route the Fisher numerator's input products X a_J^T are made once per input and sample
-            (`fisher_input_products`; needs `mask`), and "auto" prices a layer whose input products exist without
-            them.
+            "gram" route the input side (Fisher products X a_J^T, e^2 blocks X_i X_i^T) is made once per input and
+            sample where `costs.gram_input_kept` (`gram_input_statistics`; needs `mask`), and "auto" prices a layer
+            whose input side exists without it.
 
     Returns:
         `SequenceStats` in `stat_dtype(X.dtype)`; e2 is None if neither `euclidean` nor `ntk`.
@@ -121,22 +122,23 @@ def sequence_statistics(
     if fisher and sample is None:
         raise ValueError("the Fisher estimate needs a token sample")
     S = int(sample.numel()) if fisher else 0
-    # The input products are shared when the numerator runs in one block (else they would exceed the budget).
-    share = fisher and shared_input is not None and mask is not None
-    share = share and fisher_rows_per_chunk(B, L, gathered_rows(S), item_bytes(sdt), budget_bytes) == L
-    key = ("isopo_fisher_input", sample.data_ptr(), S, X.dtype, budget_bytes) if share else None
+    # The input side is kept for the other layers reading X only within the budget (`costs.gram_input_kept`).
+    item, euclid = item_bytes(sdt), euclidean and not ntk
+    share = shared_input is not None and mask is not None and route != "mat"
+    share = share and gram_input_kept(B, L, S, fisher, euclid, item, budget_bytes)
+    key = ("isopo_gram_input", sample.data_ptr() if fisher else None, S, euclid, X.dtype, budget_bytes)
     if route == "auto":
         cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost,
                            input_shared=share and shared_input.peek(key) is not None)
         route = cost.best
 
     num = den = None
-    input_products = None
+    inputs = None
+    if share and route == "gram":
+        step = euclid_rows_per_chunk(B, L, item, budget_bytes) if euclid else 0
+        inputs = shared_input.statistic(key, lambda: gram_input_statistics(X, sample if fisher else None, mask, step))
     if fisher:
-        if share and route == "gram":
-            _, XJ, input_products = shared_input.statistic(key, lambda: fisher_input_products(X, sample, mask))
-        else:
-            XJ = gather_rows(X, sample, scratch, "XJ")
+        XJ = gather_rows(X, sample, scratch, "XJ") if inputs is None else inputs.XJ
         GJ = gather_rows(G, sample, scratch, "GJ")
         # No absolute "+ 1e-12" (the reference's): |g_j| carries the loss normalization; 0 is handled by fisher_norm.
         den = torch.linalg.vector_norm(row_norms(GJ[:S], sdt) * row_norms(XJ[:S], sdt))
@@ -145,7 +147,7 @@ def sequence_statistics(
 
     if route == "gram":
         stats = gram_statistics(X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, euclidean,
-                                input_products)
+                                inputs)
     else:
         stats = materialized_statistics(
             X, G, XJ if fisher else None, GJ if fisher else None, ntk, budget_bytes, scratch, euclidean,
@@ -168,19 +170,37 @@ def item_bytes(dt: torch.dtype) -> int:
     return torch.finfo(dt).bits // 8
 
 
-def fisher_input_products(X: torch.Tensor, sample: torch.Tensor, mask: torch.Tensor):
-    """(sample, XJ (S', d_in), P (B, L, S')): the input side of the "gram" route's Fisher numerator as the masked
-    input gives it, whichever operand the layer masked: the gathered sample rows of X with padding rows zeroed, and
-    P[i, t, j] = a_t . a_j with padding positions t zeroed. A layer whose G is the masked operand gets the same
-    numerator from these (its padding rows of G are zero, so those terms were 0 already). Nothing here depends on the
-    layer's output side: every layer reading X with the same sample shares them (`sequence_statistics`'
-    shared_input). `sample` is returned so that its storage, part of the key, lives as long as the entry."""
-    XJ = gather_rows(X, sample, None, "")
-    S = sample.numel()
-    XJ[:S] *= mask.reshape(-1)[sample].unsqueeze(1).to(XJ.dtype)
-    P = matmul_f32(X, XJ.T)
-    P *= mask.unsqueeze(2).to(P.dtype)
-    return sample, XJ, P
+class GramInputs(NamedTuple):
+    """The input side of the "gram" route for one input X (B, L, d_in), as the masked input gives it (padding rows
+    zeroed, whichever operand the layer masked): `sample` (kept so that its storage, part of the key, lives as long
+    as the entry), XJ (S', d_in) the gathered sample rows and P (B, L, S') with P[i, t, j] = a_t . a_j (Fisher
+    numerator; None without it), `blocks` the e^2 row blocks X[:, t0:t1] X[:, t0:]^T (empty without e^2)."""
+
+    sample: torch.Tensor | None
+    XJ: torch.Tensor | None
+    P: torch.Tensor | None
+    blocks: list
+
+
+def gram_input_statistics(X: torch.Tensor, sample: torch.Tensor | None, mask: torch.Tensor, step: int) -> GramInputs:
+    """`GramInputs` of X for the Fisher `sample` (or None) and e^2 row blocks of `step` rows (0: none). Padding is
+    zeroed in every product, so a layer whose G is the masked operand gets the statistics it would compute itself
+    (those terms were 0 through its G). Nothing here depends on the layer's output side: every layer reading X with
+    the same sample shares them (`sequence_statistics`' shared_input)."""
+    m = mask.to(stat_dtype(X.dtype))
+    XJ = P = None
+    if sample is not None:
+        XJ = gather_rows(X, sample, None, "")
+        XJ[: sample.numel()] *= m.reshape(-1)[sample].unsqueeze(1).to(XJ.dtype)
+        P = matmul_f32(X, XJ.T)
+        P *= m.unsqueeze(2)
+    blocks = []
+    for t0 in range(0, X.shape[1] if step else 0, max(step, 1)):
+        t1 = min(X.shape[1], t0 + step)
+        block = matmul_f32(X[:, t0:t1], X[:, t0:].transpose(1, 2))
+        block *= m[:, t0:t1].unsqueeze(2) * m[:, t0:].unsqueeze(1)
+        blocks.append(block)
+    return GramInputs(sample, XJ, P, blocks)
 
 
 def gather_rows(T: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, slot: str) -> torch.Tensor:
@@ -217,11 +237,11 @@ def row_gram(Vf: torch.Tensor) -> torch.Tensor:
 
 
 
-def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True, input_products=None):
+def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True, inputs=None):
     """The "gram" route: (e2 (B,) | None, u (B, S') | None, K (B, B) | None, None, None) from token Gram blocks (no
     V, hence no overlaps). XJ, GJ: the gathered sample rows (`gather_rows`, S' rows) or None; ntk: form K; budget:
-    bytes per intermediate; input_products: X XJ^T (B, L, S') made once for the layers reading X
-    (`fisher_input_products`, when the numerator runs in one block), or None."""
+    bytes per intermediate; inputs: the input side made once for the layers reading X (`gram_input_statistics`,
+    when `costs.gram_input_kept`), or None."""
     B, L, _ = X.shape
     sdt = stat_dtype(X.dtype)  # products and sums (float32 for half operands)
     item = torch.finfo(sdt).bits // 8
@@ -232,7 +252,7 @@ def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True, input_products=No
         u = torch.zeros(B, S, dtype=sdt, device=X.device)
         step = fisher_rows_per_chunk(B, L, S, item, budget)
         for t0 in range(0, L, step):
-            Ga = matmul_f32(X[:, t0 : t0 + step], XJ.T) if input_products is None else input_products
+            Ga = matmul_f32(X[:, t0 : t0 + step], XJ.T) if inputs is None else inputs.P  # one block if shared
             Gg = matmul_f32(G[:, t0 : t0 + step], GJ.T)
             u += (Ga * Gg).sum(1)
     if ntk:
@@ -255,10 +275,11 @@ def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True, input_products=No
         return None, u, None, None, None
     # e_i^2 from the diagonal blocks, upper triangle of each L x L block.
     e2 = torch.zeros(B, dtype=sdt, device=X.device)
-    step = min(TRI_ROWS, rows_per_chunk(2 * B * L * item, budget, L))
-    for t0 in range(0, L, step):
+    step = euclid_rows_per_chunk(B, L, item, budget)
+    for i, t0 in enumerate(range(0, L, step)):
         t1 = min(L, t0 + step)
-        M = matmul_f32(X[:, t0:t1], X[:, t0:].transpose(1, 2)) * matmul_f32(G[:, t0:t1], G[:, t0:].transpose(1, 2))
+        Xg = matmul_f32(X[:, t0:t1], X[:, t0:].transpose(1, 2)) if inputs is None else inputs.blocks[i]
+        M = Xg * matmul_f32(G[:, t0:t1], G[:, t0:].transpose(1, 2))
         e2 += M[:, :, : t1 - t0].sum((1, 2)) + 2 * M[:, :, t1 - t0 :].sum((1, 2))
     return e2, u, None, None, None
 

@@ -111,8 +111,9 @@ def isopo_linear_grad(
         has_bias: return the bias gradient too.
         scratch: reusable storage for the large temporaries (fresh if None).
         step_sequences: N, the number of sequences in this process's optimizer step (c = 0 only; None = 1).
-        shared_input: the engine's entry of X (`layerwise.inputs.SharedInput`), or None: the "gram" route's Fisher
-            input products are made once for the layers reading X with this sample (`statistics.sequence_statistics`).
+        shared_input: the engine's entry of X (`layerwise.inputs.SharedInput`), or None: the "gram" route's input
+            side (Fisher products, e^2 blocks) is made once for the layers reading X with this sample
+            (`statistics.sequence_statistics`).
     """
     s = settings
     stats = sequence_statistics(

@@ -214,6 +214,8 @@ def analytic(trainer, cfg, B, T, valid, settings, groups) -> tuple[float, float,
     `input_groups`; the backward pass meets each in reverse order, and the layers after the first one on "gram"
     reuse its Fisher input products (`costs.input_group_costs`)."""
     from trl_isopo.layerwise.costs import gathered_rows, gemm_macs, input_group_costs, statistics_cost
+    from trl_isopo.layerwise.precision import stat_dtype
+    from trl_isopo.layerwise.statistics import item_bytes
 
     H, V = cfg.hidden_size, cfg.vocab_size
     N = B * T
@@ -238,7 +240,7 @@ def analytic(trainer, cfg, B, T, valid, settings, groups) -> tuple[float, float,
         priced = input_group_costs([(m.in_features, m.out_features) for m in layers], B, T, S, *flags,
                                    euclidean=settings.needs_euclidean, route=settings.route,
                                    stat_cost=statistics_cost(weight.dtype, weight.device),
-                                   item=4 if weight.dtype != torch.float64 else 8)
+                                   item=item_bytes(stat_dtype(weight.dtype)))
         for m, (c, route, shared) in zip(layers, priced):
             extra += getattr(c, route)
             gemm += gemm_macs(B, T, m.in_features, m.out_features, S_gathered, *flags, route,

@@ -114,9 +114,8 @@ class LayerBackward:
     def layer_grads(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool) -> LayerGrads:
         """The Function's entry: covered layer `name`'s input x (B, L, d_in) and output gradient g (B, L, d_out) as a
         `LayerCall` (operands cast, one side's padding rows zeroed: `masked_operands`), handed to `grads`."""
-        X, G, dt = self.masked_operands(name, x, g, mb)
+        X, G, dt, shared = self.masked_operands(name, x, g, mb)
         index = self.layer_index.get(name, len(self.layer_index))  # a layer called outside `install`: the next index
-        shared = self.inputs.entry(x, mb)
         return self.grads(LayerCall(name=name, index=index, X=X, G=G, dtype=dt, mb=mb, has_bias=has_bias,
                                     shared_input=shared))
 
@@ -287,9 +286,9 @@ class LayerBackward:
         return self.inputs.masked(x, mb, dt)
 
     def masked_operands(self, name: str, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch):
-        """(X, G, statistics dtype): the layer's operands in the operand dtype (`layer_dtypes`) with the padding rows
-        of one of them zeroed: the narrower one, X on a tie (its masked copy is shared by the layers reading the
-        same input). Autograd's G^T X needs the other finite at padding too."""
+        """(X, G, statistics dtype, x's `inputs.SharedInput`): the layer's operands in the operand dtype
+        (`layer_dtypes`) with the padding rows of one of them zeroed: the narrower one, X on a tie (its masked copy is
+        shared by the layers reading the same input). Autograd's G^T X needs the other finite at padding too."""
         if x.shape[:2] != mb.mask.shape:
             raise RuntimeError(
                 f"{self.method.title} layer {name} saw inputs of shape {tuple(x.shape)} but the micro-batch mask is "
@@ -299,9 +298,10 @@ class LayerBackward:
                 "supported: freeze those modules or exclude them from the LoRA target_modules."
             )
         dt, odt = layer_dtypes(x, g)
+        shared = self.inputs.entry(x, mb)
         if x.shape[-1] <= g.shape[-1]:
-            return self.masked_input(x, mb, odt), g.to(odt), dt
-        return x.to(odt), mb.zero_padding(g, odt), dt
+            return shared.masked_as(odt), g.to(odt), dt, shared
+        return x.to(odt), mb.zero_padding(g, odt), dt, shared
 
     def plain_grads(self, x: torch.Tensor, g: torch.Tensor, mb: MicroBatch, has_bias: bool):
         """Ordinary weight (and bias) gradient G^T X of one layer, padding rows of both operands dropped (they may

@@ -43,6 +43,13 @@ class SharedInput:
             self.statistics[key] = compute()
         return self.statistics[key]
 
+    def masked_as(self, dt: torch.dtype) -> torch.Tensor:
+        """x as `dt` with padding rows zeroed (`MicroBatch.zero_padding`), made once per dtype."""
+        X = self.masked.get(dt)
+        if X is None:
+            X = self.masked[dt] = self.mb.zero_padding(self.x, dt)
+        return X
+
     def peek(self, key: tuple) -> object | None:
         """The statistic named `key` if a layer already computed it, else None (nothing is computed)."""
         return self.statistics.get(key)
@@ -71,11 +78,7 @@ class InputCache:
 
     def masked(self, x: torch.Tensor, mb: MicroBatch, dt: torch.dtype) -> torch.Tensor:
         """x as `dt` with padding rows zeroed (`MicroBatch.zero_padding`), one copy per input."""
-        shared = self.entry(x, mb)
-        X = shared.masked.get(dt)
-        if X is None:
-            X = shared.masked[dt] = mb.zero_padding(x, dt)
-        return X
+        return self.entry(x, mb).masked_as(dt)
 
     def clear(self) -> None:
         self._entries.clear()

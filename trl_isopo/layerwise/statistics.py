@@ -127,6 +127,7 @@ def sequence_statistics(
     share = shared_input is not None and mask is not None and route != "mat"
     share = share and gram_input_kept(B, L, S, fisher, euclid, item, budget_bytes)
     key = ("isopo_gram_input", sample.data_ptr() if fisher else None, S, euclid, X.dtype, budget_bytes)
+    key = key if share else None
     if route == "auto":
         cost = route_costs(B, L, d_in, d_out, S, fisher, ntk, budget_bytes, euclidean=euclidean, stat_cost=stat_cost,
                            input_shared=share and shared_input.peek(key) is not None)
@@ -244,7 +245,7 @@ def gram_statistics(X, G, XJ, GJ, ntk, budget, euclidean=True, inputs=None):
     when `costs.gram_input_kept`), or None."""
     B, L, _ = X.shape
     sdt = stat_dtype(X.dtype)  # products and sums (float32 for half operands)
-    item = torch.finfo(sdt).bits // 8
+    item = item_bytes(sdt)
     u = None
     if XJ is not None:
         # u[i, j] = sum_{t in i} (a_t . a_j)(g_t . g_j): (B, c, S) blocks over positions t.
@@ -292,7 +293,7 @@ def materialized_statistics(X, G, XJ, GJ, ntk, budget, scratch=None, euclidean=T
     B, L, d_in = X.shape
     d_out = G.shape[-1]
     sdt = stat_dtype(X.dtype)  # V (float32 for half operands: it feeds the norms and the final sum)
-    item = torch.finfo(sdt).bits // 8
+    item = item_bytes(sdt)
     # Per d_out row: the V chunk (B, c, d_in) and, for the Fisher numerator, Y = V a_J (B, c, S).
     S = XJ.shape[0] if XJ is not None else 0
     step = v_rows_per_chunk(B, d_in, d_out, S, item, budget)

@@ -118,7 +118,8 @@ def model_ratios(m: Shapes, B: int, L: int, lora_rank: int, stat_cost: float) ->
     # The covered layers by the input they read: LoRA's A factors read the layer's input, each B factor its own.
     groups = input_groups(m.linears())
     if lora_rank:
-        groups = [[(d_in, lora_rank) for d_in, _ in g] for g in groups] + [[(lora_rank, d_out)] for _, d_out in m.linears()]
+        groups = ([[(d_in, lora_rank) for d_in, _ in g] for g in groups]
+                  + [[(lora_rank, d_out)] for _, d_out in m.linears()])
     base = sum(N * d_in * d_out for d_in, d_out in m.linears())
     if lora_rank:
         grpo = m.layers * (2 * base + 3 * sum(N * a * b for g in groups for a, b in g) + attention) + 2 * head

@@ -97,10 +97,10 @@ class ISOPOBackward(LayerBackward):
     def shared_fisher_sample(self, call: LayerCall) -> torch.Tensor:
         """The Fisher sample of a layer call: one per distinct input and micro-batch, drawn by the first covered layer
         to read that input in the backward pass (its own seed) and used by every later one (q/k/v; gate/up), so that
-        their input products X a_J^T are made once (`statistics.gram_input_statistics`, with the e^2 blocks). Each layer's J is still a
-        uniform sample of the micro-batch's valid positions, independent of its data; only the joint law across the
-        layers reading one input changes (docs/isopo.md, "Shared input statistics"). A test's fixed samples
-        (`sampler.override`) stay per layer."""
+        their input products X a_J^T are made once (`statistics.gram_input_statistics`, with the e^2 blocks). Each
+        layer's J is still a uniform sample of the micro-batch's valid positions, independent of its data; only the
+        joint law across the layers reading one input changes (docs/isopo.md, "Shared input statistics"). A test's
+        fixed samples (`sampler.override`) stay per layer."""
         draw = functools.partial(self.fisher_sample, call.name, call.mb)
         if call.shared_input is None or self.sampler.override is not None:
             return draw()
